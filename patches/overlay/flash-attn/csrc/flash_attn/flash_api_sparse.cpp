@@ -1,0 +1,283 @@
+/******************************************************************************
+ * Host code of the sparse block-list forward and of the (O, LSE) combine
+ * (stage 5 of the sparse patch set).
+ *
+ * The Python layer (flash_attn_sparse) validates the block lists and picks num_splits; this file
+ * checks what the kernels rely on for memory safety and fills Flash_fwd_params.
+ ******************************************************************************/
+
+#include <torch/python.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+
+#include <cutlass/numeric_types.h>
+
+#include "namespace_config.h"
+#include "hardware_info.h"
+#include "flash.h"
+#include "flash_sparse.h"
+#include "flash_api_sparse.h"
+#include "static_switch.h"
+
+#define CHECK_DEVICE(x) TORCH_CHECK(x.is_cuda(), #x " must be on CUDA")
+#define CHECK_SHAPE(x, ...) TORCH_CHECK(x.sizes() == torch::IntArrayRef({__VA_ARGS__}), #x " must have shape (" #__VA_ARGS__ ")")
+#define CHECK_CONTIGUOUS(x) TORCH_CHECK(x.is_contiguous(), #x " must be contiguous")
+
+namespace FLASH_NAMESPACE {
+
+// Defined in flash_api.cpp.
+void set_params_fprop(Flash_fwd_params &params,
+                      const size_t b, const size_t seqlen_q, const size_t seqlen_k,
+                      const size_t seqlen_q_rounded, const size_t seqlen_k_rounded,
+                      const size_t h, const size_t h_k, const size_t d, const size_t d_rounded,
+                      const at::Tensor q, const at::Tensor k, const at::Tensor v, at::Tensor out,
+                      void *cu_seqlens_q_d, void *cu_seqlens_k_d, void *seqused_k, void *p_d,
+                      void *softmax_lse_d, float p_dropout, float softmax_scale,
+                      int window_size_left, int window_size_right, const float softcap,
+                      bool seqlenq_ngroups_swapped, const bool unpadded_lse);
+
+namespace {
+
+int round_multiple(int x, int m) { return (x + m - 1) / m * m; }
+
+int head_size_rounded(int head_size) { return round_multiple(head_size, head_size <= 128 ? 32 : 64); }
+
+void check_int32_table(const at::Tensor &t, const char *name, const at::Tensor &q) {
+    TORCH_CHECK(t.dtype() == torch::kInt32, name, " must have dtype int32");
+    TORCH_CHECK(t.device() == q.device(), name, " must be on the same device as q");
+    TORCH_CHECK(t.stride(-1) == 1, name, " must have a contiguous last dimension");
+}
+
+void run_sparse(Flash_fwd_params &params, cudaStream_t stream, bool wide, bool split) {
+    FP16_SWITCH(!params.is_bf16, [&] {
+        HEADDIM_SWITCH(params.d, [&] {
+            if (wide) {
+                run_mha_fwd_sparse_<elem_type, kHeadDim>(params, stream);
+            } else {
+                run_mha_fwd_sparse_narrow_<elem_type, kHeadDim>(params, stream, split);
+            }
+        });
+    });
+}
+
+void run_combine(Flash_fwd_params &params, cudaStream_t stream) {
+    FP16_SWITCH(!params.is_bf16, [&] {
+        HEADDIM_SWITCH(params.d, [&] {
+            run_mha_combine_<elem_type, kHeadDim>(params, stream);
+        });
+    });
+}
+
+}  // namespace
+
+std::vector<at::Tensor> mha_fwd_sparse(
+    const at::Tensor &q, const at::Tensor &k, const at::Tensor &v,
+    std::optional<at::Tensor> out_,
+    const at::Tensor &full_cnt, const at::Tensor &full_idx,
+    std::optional<at::Tensor> mask_cnt_, std::optional<at::Tensor> mask_idx_,
+    std::optional<at::Tensor> cu_seqlens_q_, std::optional<at::Tensor> cu_seqlens_k_,
+    std::optional<at::Tensor> seqused_k_,
+    std::optional<at::Tensor> cu_total_m_blocks_, std::optional<at::Tensor> cu_block_idx_offsets_,
+    int max_seqlen_q, int max_seqlen_k,
+    int block_size, int q_block_size,
+    double softmax_scale, bool is_causal, int num_splits,
+    std::optional<at::Tensor> out_partial_, std::optional<at::Tensor> lse_partial_, int partial_offset) {
+
+    at::cuda::CUDAGuard device_guard{q.device()};
+    auto [cc_major, cc_minor] = get_compute_capability(get_current_device());
+    TORCH_CHECK(cc_major >= 8, "FlashAttention only supports Ampere GPUs or newer.");
+
+    const auto q_dtype = q.dtype();
+    TORCH_CHECK(q_dtype == torch::kFloat16 || q_dtype == torch::kBFloat16, "FlashAttention only support fp16 and bf16 data type");
+    TORCH_CHECK(k.dtype() == q_dtype && v.dtype() == q_dtype, "q, k and v must have the same dtype");
+    CHECK_DEVICE(q); CHECK_DEVICE(k); CHECK_DEVICE(v);
+    TORCH_CHECK(q.stride(-1) == 1 && k.stride(-1) == 1 && v.stride(-1) == 1, "q, k and v must have a contiguous last dimension");
+
+    const bool varlen = cu_seqlens_q_.has_value();
+    TORCH_CHECK(varlen == cu_seqlens_k_.has_value(), "cu_seqlens_q and cu_seqlens_k go together");
+    TORCH_CHECK(varlen == cu_total_m_blocks_.has_value() && varlen == cu_block_idx_offsets_.has_value(),
+                "varlen inputs need the varlen list layout (cu_total_m_blocks, cu_block_idx_offsets) and vice versa");
+    const int batch_size = varlen ? cu_seqlens_q_->numel() - 1 : q.size(0);
+    const int seqlen_q = varlen ? max_seqlen_q : q.size(1);
+    const int seqlen_k = varlen ? max_seqlen_k : k.size(1);
+    const int num_heads = q.size(-2);
+    const int head_size = q.size(-1);
+    const int num_heads_k = k.size(-2);
+    const int total_q = varlen ? q.size(0) : batch_size * seqlen_q;
+    TORCH_CHECK(batch_size > 0, "batch size must be positive");
+    TORCH_CHECK(head_size <= 256 && head_size % 8 == 0, "head dimension must be a multiple of 8, at most 256");
+    TORCH_CHECK(num_heads % num_heads_k == 0, "Number of heads in key/value must divide number of heads in query");
+    if (varlen) {
+        CHECK_SHAPE(q, total_q, num_heads, head_size);
+        TORCH_CHECK(k.dim() == 3 && v.sizes() == k.sizes() && k.size(1) == num_heads_k && k.size(2) == head_size, "k and v must be total_k x num_heads_k x head_size");
+        for (const auto &t : {*cu_seqlens_q_, *cu_seqlens_k_, *cu_total_m_blocks_, *cu_block_idx_offsets_}) {
+            check_int32_table(t, "cu_seqlens / varlen list offsets", q);
+            TORCH_CHECK(t.numel() == batch_size + 1, "cu_seqlens and varlen list offsets must have batch_size + 1 entries");
+        }
+    } else {
+        TORCH_CHECK(q.dim() == 4, "q must be batch x seqlen_q x num_heads x head_size");
+        CHECK_SHAPE(k, batch_size, seqlen_k, num_heads_k, head_size);
+        CHECK_SHAPE(v, batch_size, seqlen_k, num_heads_k, head_size);
+    }
+    if (seqused_k_.has_value()) {
+        check_int32_table(*seqused_k_, "seqused_k", q);
+        CHECK_SHAPE((*seqused_k_), batch_size);
+    }
+
+    // Lists. The kernel clamps counts to the row capacity and skips out-of-range entries, so
+    // nothing here needs to read them.
+    check_int32_table(full_cnt, "full_cnt", q);
+    check_int32_table(full_idx, "full_idx", q);
+    TORCH_CHECK(mask_cnt_.has_value() == mask_idx_.has_value(), "mask_cnt and mask_idx go together");
+    if (mask_cnt_.has_value()) {
+        check_int32_table(*mask_cnt_, "mask_cnt", q);
+        check_int32_table(*mask_idx_, "mask_idx", q);
+        TORCH_CHECK(mask_cnt_->sizes() == full_cnt.sizes() && mask_cnt_->strides() == full_cnt.strides(), "mask_cnt must have the shape and strides of full_cnt");
+        TORCH_CHECK(mask_idx_->sizes() == full_idx.sizes() && mask_idx_->strides() == full_idx.strides(), "mask_idx must have the shape and strides of full_idx");
+    }
+    TORCH_CHECK(block_size >= 16 && block_size <= 256 && (block_size & (block_size - 1)) == 0, "block_size must be 16, 32, 64, 128 or 256");
+    TORCH_CHECK(q_block_size > 0 && q_block_size % kSparseNarrowBlockM == 0, "q_block_size must be a positive multiple of 64");
+    const int num_table_heads = varlen ? full_cnt.size(0) : full_cnt.size(1);
+    TORCH_CHECK(num_table_heads == 1 || num_table_heads == num_heads_k || num_table_heads == num_heads,
+                "the lists' head extent must be 1, num_heads_k or num_heads");
+    if (varlen) {
+        TORCH_CHECK(full_cnt.dim() == 2 && full_idx.dim() == 2 && full_idx.size(0) == num_table_heads, "varlen lists: cnt is (heads, total_m_blocks), idx is (heads, total_n_blocks)");
+    } else {
+        TORCH_CHECK(full_cnt.dim() == 3 && full_idx.dim() == 4, "batched lists: cnt is (batch, heads, m_blocks), idx is (batch, heads, m_blocks, n)");
+        TORCH_CHECK(full_cnt.size(0) == batch_size && full_idx.size(0) == batch_size && full_idx.size(1) == num_table_heads
+                    && full_idx.size(2) == full_cnt.size(2), "the lists' batch, head and m_blocks extents must agree with each other and with q");
+        TORCH_CHECK(full_cnt.size(2) >= (seqlen_q + q_block_size - 1) / q_block_size, "the lists need one row per query tile: m_blocks >= ceil(seqlen_q / q_block_size)");
+    }
+
+    at::Tensor out = out_.has_value() ? *out_ : torch::empty_like(q);
+    TORCH_CHECK(out.sizes() == q.sizes() && out.dtype() == q_dtype && out.stride(-1) == 1 && out.device() == q.device(),
+                "out must be like q with a contiguous last dimension");
+    auto opts = q.options();
+    at::Tensor softmax_lse = varlen ? torch::empty({num_heads, total_q}, opts.dtype(at::kFloat))
+                                    : torch::empty({batch_size, num_heads, seqlen_q}, opts.dtype(at::kFloat));
+
+    const int d_rounded = head_size_rounded(head_size);
+    Flash_fwd_params params;
+    set_params_fprop(params, batch_size, seqlen_q, seqlen_k, round_multiple(seqlen_q, 128), round_multiple(seqlen_k, 128),
+                     num_heads, num_heads_k, head_size, d_rounded, q, k, v, out,
+                     varlen ? cu_seqlens_q_->data_ptr() : nullptr, varlen ? cu_seqlens_k_->data_ptr() : nullptr,
+                     seqused_k_.has_value() ? seqused_k_->data_ptr() : nullptr,
+                     /*p_d=*/nullptr, softmax_lse.data_ptr(), /*p_dropout=*/0.f, float(softmax_scale),
+                     /*window_size_left=*/-1, /*window_size_right=*/-1, /*softcap=*/0.f,
+                     /*seqlenq_ngroups_swapped=*/false, /*unpadded_lse=*/varlen);
+    // Causality applies to "mask" blocks only; the window fields stay those of a non-causal call.
+    params.is_causal = is_causal;
+    params.total_q = total_q;
+
+    params.sparse_full_cnt = full_cnt.data_ptr<int>();
+    params.sparse_full_idx = full_idx.data_ptr<int>();
+    params.sparse_mask_cnt = mask_cnt_.has_value() ? mask_cnt_->data_ptr<int>() : nullptr;
+    params.sparse_mask_idx = mask_idx_.has_value() ? mask_idx_->data_ptr<int>() : nullptr;
+    if (varlen) {
+        params.sparse_cnt_head_stride = full_cnt.stride(0);
+        params.sparse_idx_head_stride = full_idx.stride(0);
+        params.sparse_cu_total_m_blocks = cu_total_m_blocks_->data_ptr<int>();
+        params.sparse_cu_block_idx_offsets = cu_block_idx_offsets_->data_ptr<int>();
+    } else {
+        params.sparse_cnt_batch_stride = full_cnt.stride(0);
+        params.sparse_cnt_head_stride = full_cnt.stride(1);
+        TORCH_CHECK(full_cnt.stride(2) == 1, "full_cnt must have a contiguous last dimension");
+        params.sparse_idx_batch_stride = full_idx.stride(0);
+        params.sparse_idx_head_stride = full_idx.stride(1);
+        params.sparse_idx_row_stride = full_idx.stride(2);
+        params.sparse_idx_capacity = full_idx.size(3);
+    }
+    params.sparse_head_ratio = num_heads / num_table_heads;
+    params.sparse_block_size = block_size;
+    params.sparse_block_size_log2 = __builtin_ctz(block_size);
+    params.sparse_q_block_size = q_block_size;
+
+    TORCH_CHECK(num_splits >= 1 && num_splits <= 128, "num_splits must be in [1, 128]");
+    params.num_splits = num_splits;
+    const bool partial = out_partial_.has_value();
+    TORCH_CHECK(partial == lse_partial_.has_value(), "out_partial and lse_partial go together");
+    at::Tensor out_accum, lse_accum;
+    if (partial) {
+        out_accum = *out_partial_;
+        lse_accum = *lse_partial_;
+        const int num_slots = out_accum.size(0);
+        TORCH_CHECK(out_accum.dtype() == at::kFloat && lse_accum.dtype() == at::kFloat, "partials must be float32");
+        TORCH_CHECK(out_accum.device() == q.device() && lse_accum.device() == q.device(), "partials must be on the device of q");
+        CHECK_CONTIGUOUS(out_accum); CHECK_CONTIGUOUS(lse_accum);
+        CHECK_SHAPE(out_accum, num_slots, batch_size, num_heads, seqlen_q, d_rounded);
+        CHECK_SHAPE(lse_accum, num_slots, batch_size, num_heads, seqlen_q);
+        TORCH_CHECK(partial_offset >= 0 && partial_offset + num_splits <= num_slots, "partial slots [offset, offset + num_splits) must fit in out_partial");
+        params.sparse_split_offset = partial_offset;
+        params.sparse_num_slots = num_slots;
+    } else if (num_splits > 1) {
+        out_accum = torch::empty({num_splits, batch_size, num_heads, seqlen_q, d_rounded}, opts.dtype(at::kFloat));
+        lse_accum = torch::empty({num_splits, batch_size, num_heads, seqlen_q}, opts.dtype(at::kFloat));
+        params.sparse_num_slots = num_splits;
+    }
+    if (out_accum.defined()) {
+        params.oaccum_ptr = out_accum.data_ptr();
+        params.softmax_lseaccum_ptr = lse_accum.data_ptr();
+    }
+
+    if (q.numel() == 0) { return partial ? std::vector<at::Tensor>{out_accum, lse_accum} : std::vector<at::Tensor>{out, softmax_lse}; }
+    auto stream = at::cuda::getCurrentCUDAStream().stream();
+    const bool split = out_accum.defined();
+    // 128-row tiles suit long queries; 64-row tiles waste less on short ones, and split.
+    const bool wide = !split && seqlen_q > kSparseNarrowBlockM && q_block_size % kSparseWideBlockM == 0;
+    run_sparse(params, stream, wide, split);
+    if (partial) { return {out_accum, lse_accum}; }
+    if (split) { run_combine(params, stream); }
+    return {out, softmax_lse};
+}
+
+void mha_combine(const at::Tensor &out_partial, const at::Tensor &lse_partial,
+                 at::Tensor out, at::Tensor softmax_lse, std::optional<at::Tensor> cu_seqlens_q_) {
+    at::cuda::CUDAGuard device_guard{out.device()};
+    TORCH_CHECK(out_partial.dtype() == at::kFloat && lse_partial.dtype() == at::kFloat, "partials must be float32");
+    TORCH_CHECK(out.dtype() == torch::kFloat16 || out.dtype() == torch::kBFloat16, "out must be fp16 or bf16");
+    TORCH_CHECK(softmax_lse.dtype() == at::kFloat, "softmax_lse must be float32");
+    CHECK_DEVICE(out); CHECK_DEVICE(out_partial); CHECK_DEVICE(lse_partial); CHECK_DEVICE(softmax_lse);
+    CHECK_CONTIGUOUS(out_partial); CHECK_CONTIGUOUS(lse_partial); CHECK_CONTIGUOUS(softmax_lse);
+    TORCH_CHECK(out.stride(-1) == 1, "out must have a contiguous last dimension");
+    TORCH_CHECK(out_partial.dim() == 5 && lse_partial.dim() == 4, "partials must be (S, b, h, seqlen_q, d) and (S, b, h, seqlen_q)");
+    const int num_slots = out_partial.size(0), batch_size = out_partial.size(1), num_heads = out_partial.size(2);
+    const int seqlen_q = out_partial.size(3);
+    const int head_size = out.size(-1);
+    TORCH_CHECK(num_slots >= 1 && num_slots <= 128, "at most 128 partials can be combined");
+    CHECK_SHAPE(out_partial, num_slots, batch_size, num_heads, seqlen_q, head_size_rounded(head_size));
+    CHECK_SHAPE(lse_partial, num_slots, batch_size, num_heads, seqlen_q);
+    const bool varlen = cu_seqlens_q_.has_value();
+    const int total_q = varlen ? out.size(0) : batch_size * seqlen_q;
+    if (varlen) {
+        check_int32_table(*cu_seqlens_q_, "cu_seqlens_q", out);
+        CHECK_SHAPE((*cu_seqlens_q_), batch_size + 1);
+        CHECK_SHAPE(out, total_q, num_heads, head_size);
+        CHECK_SHAPE(softmax_lse, num_heads, total_q);
+    } else {
+        CHECK_SHAPE(out, batch_size, seqlen_q, num_heads, head_size);
+        CHECK_SHAPE(softmax_lse, batch_size, num_heads, seqlen_q);
+    }
+
+    Flash_fwd_params params = {};
+    params.is_bf16 = out.dtype() == torch::kBFloat16;
+    params.b = batch_size;
+    params.h = num_heads;
+    params.seqlen_q = seqlen_q;
+    params.total_q = total_q;
+    params.d = head_size;
+    params.d_rounded = head_size_rounded(head_size);
+    params.num_splits = num_slots;
+    params.oaccum_ptr = out_partial.data_ptr();
+    params.softmax_lseaccum_ptr = lse_partial.data_ptr();
+    params.o_ptr = out.data_ptr();
+    params.o_row_stride = out.stride(-3);
+    params.o_head_stride = out.stride(-2);
+    params.o_batch_stride = varlen ? 0 : out.stride(0);
+    params.softmax_lse_ptr = softmax_lse.data_ptr();
+    params.unpadded_lse = varlen;
+    params.cu_seqlens_q = varlen ? cu_seqlens_q_->data_ptr<int>() : nullptr;
+    if (out.numel() == 0) { return; }
+    run_combine(params, at::cuda::getCurrentCUDAStream().stream());
+}
+
+}  // namespace FLASH_NAMESPACE

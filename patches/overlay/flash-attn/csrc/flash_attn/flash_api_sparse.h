@@ -1,0 +1,39 @@
+/******************************************************************************
+ * Host entry points of the sparse block-list forward and of the (O, LSE) combine
+ * (stage 5 of the sparse patch set), bound in flash_api.cpp's module.
+ ******************************************************************************/
+
+#pragma once
+
+#include <optional>
+#include <vector>
+
+#include <ATen/ATen.h>
+
+#include "namespace_config.h"
+
+namespace FLASH_NAMESPACE {
+
+// Attention of q over the K/V blocks named by the lists, batched (q: b x seqlen_q x h x d) or
+// varlen (q: total_q x h x d with cu_seqlens_q). Returns {out, softmax_lse}, or, when out_partial
+// is given, writes fp32 partials to its slots [partial_offset, partial_offset + num_splits) and
+// returns {out_partial, lse_partial}.
+std::vector<at::Tensor> mha_fwd_sparse(
+    const at::Tensor &q, const at::Tensor &k, const at::Tensor &v,
+    std::optional<at::Tensor> out_,
+    const at::Tensor &full_cnt, const at::Tensor &full_idx,
+    std::optional<at::Tensor> mask_cnt_, std::optional<at::Tensor> mask_idx_,
+    std::optional<at::Tensor> cu_seqlens_q_, std::optional<at::Tensor> cu_seqlens_k_,
+    std::optional<at::Tensor> seqused_k_,
+    std::optional<at::Tensor> cu_total_m_blocks_, std::optional<at::Tensor> cu_block_idx_offsets_,
+    int max_seqlen_q, int max_seqlen_k,
+    int block_size, int q_block_size,
+    double softmax_scale, bool is_causal, int num_splits,
+    std::optional<at::Tensor> out_partial_, std::optional<at::Tensor> lse_partial_, int partial_offset);
+
+// Merges partials (S x b x h x seqlen_q x d_rounded fp32, S x b x h x seqlen_q fp32) into out and
+// softmax_lse, laid out as mha_fwd_sparse returns them, with the split-KV combine kernel.
+void mha_combine(const at::Tensor &out_partial, const at::Tensor &lse_partial,
+                 at::Tensor out, at::Tensor softmax_lse, std::optional<at::Tensor> cu_seqlens_q_);
+
+}  // namespace FLASH_NAMESPACE

@@ -1,0 +1,451 @@
+/******************************************************************************
+ * Sparse K/V block-list forward for FlashAttention-2 (stage 3 of the sparse patch set).
+ *
+ * One CTA computes one query tile of one (batch, head) over the K/V blocks its list names,
+ * optionally only a contiguous share of that list (split-KV). The list is walked in tiles of
+ * kBlockN "list rows": list row v is entry e = v / block_size, key position
+ * list[e] * block_size + v % block_size. So a kernel tile may hold part of one logical block
+ * (block_size >= kBlockN) or several whole ones (block_size < kBlockN), and every key row is
+ * addressed from the list with an absolute 64-bit offset, for K and V alike.
+ *
+ * Rows that are not real keys (past the list end, past seqlen_k in the tail block, or named by an
+ * out-of-range entry) are never loaded: their scores are set to -inf and their V rows in shared
+ * memory are zeroed, so no list content can make the kernel read out of bounds.
+ ******************************************************************************/
+
+#pragma once
+
+#include "namespace_config.h"
+
+#include <cute/tensor.hpp>
+
+#include <cutlass/cutlass.h>
+#include <cutlass/array.h>
+#include <cutlass/numeric_types.h>
+
+#include "block_info.h"
+#include "kernel_traits.h"
+#include "utils.h"
+#include "softmax.h"
+
+namespace FLASH_NAMESPACE {
+
+using namespace cute;
+
+////////////////////////////////////////////////////////////////////////////////////////////////////
+
+// The lists of one query tile, concatenated: entry e < mask_cnt is mask_idx[e], the rest are
+// full_idx[e - mask_cnt].
+struct SparseTileList {
+    const int *mask_idx;
+    const int *full_idx;
+    int mask_cnt;
+    int total_cnt;
+    int block_size;
+    int block_size_log2;
+    int num_blocks_k;  // valid block ids are [0, num_blocks_k)
+    int seqlen_k;
+
+    __forceinline__ __device__ int block(const int e) const {
+        return e < mask_cnt ? __ldg(mask_idx + e) : __ldg(full_idx + (e - mask_cnt));
+    }
+
+    // Key position of list row v, or -1 if that row is not a real key.
+    __forceinline__ __device__ int position(const int v) const {
+        const int e = v >> block_size_log2;
+        if (e >= total_cnt) { return -1; }
+        const int blk = block(e);
+        if (blk < 0 || blk >= num_blocks_k) { return -1; }
+        const int pos = (blk << block_size_log2) + (v & (block_size - 1));
+        return pos < seqlen_k ? pos : -1;
+    }
+
+    // Whether list rows [v0, v0 + n) need score masking: a mask block (when causal), a list
+    // end, the tail block or an invalid entry inside them. Uniform across the CTA.
+    __forceinline__ __device__ bool needs_mask(const int v0, const int n, const bool is_causal) const {
+        const int e0 = v0 >> block_size_log2;
+        const int e1 = (v0 + n - 1) >> block_size_log2;
+        if (e1 >= total_cnt || (is_causal && e0 < mask_cnt)) { return true; }
+        for (int e = e0; e <= e1; ++e) {
+            const int blk = block(e);
+            if (blk < 0 || blk >= num_blocks_k || ((blk + 1) << block_size_log2) > seqlen_k) { return true; }
+        }
+        return false;
+    }
+};
+
+template<int kBlockM, typename Params>
+__forceinline__ __device__ SparseTileList get_sparse_tile_list(const Params &params, const int bidb, const int bidh,
+                                                               const int m_block, const int seqlen_k) {
+    using index_t = typename Params::index_t;
+    const int hs = bidh / params.sparse_head_ratio;
+    const int m_row = (m_block * kBlockM) / params.sparse_q_block_size;
+    index_t cnt_offset, idx_offset;
+    int capacity;
+    if (params.sparse_cu_total_m_blocks == nullptr) {
+        cnt_offset = bidb * params.sparse_cnt_batch_stride + hs * params.sparse_cnt_head_stride + m_row;
+        idx_offset = bidb * params.sparse_idx_batch_stride + hs * params.sparse_idx_head_stride + m_row * params.sparse_idx_row_stride;
+        capacity = params.sparse_idx_capacity;
+    } else {
+        const int m_first = params.sparse_cu_total_m_blocks[bidb];
+        const int m_rows = params.sparse_cu_total_m_blocks[bidb + 1] - m_first;
+        const int idx_first = params.sparse_cu_block_idx_offsets[bidb];
+        const int n_per_row = m_rows > 0 ? (params.sparse_cu_block_idx_offsets[bidb + 1] - idx_first) / m_rows : 0;
+        cnt_offset = hs * params.sparse_cnt_head_stride + m_first + m_row;
+        idx_offset = hs * params.sparse_idx_head_stride + idx_first + index_t(m_row) * n_per_row;
+        // A tile without a row in the metadata gets an empty list rather than a stray read.
+        capacity = m_row < m_rows ? n_per_row : 0;
+    }
+    SparseTileList list;
+    const int full_cnt = capacity > 0 ? min(max(params.sparse_full_cnt[cnt_offset], 0), capacity) : 0;
+    const int mask_cnt = capacity > 0 && params.sparse_mask_cnt != nullptr
+        ? min(max(params.sparse_mask_cnt[cnt_offset], 0), capacity) : 0;
+    list.full_idx = params.sparse_full_idx + idx_offset;
+    list.mask_idx = params.sparse_mask_idx == nullptr ? list.full_idx : params.sparse_mask_idx + idx_offset;
+    list.mask_cnt = mask_cnt;
+    list.total_cnt = mask_cnt + full_cnt;
+    list.block_size = params.sparse_block_size;
+    list.block_size_log2 = params.sparse_block_size_log2;
+    list.num_blocks_k = (seqlen_k + params.sparse_block_size - 1) >> params.sparse_block_size_log2;
+    list.seqlen_k = seqlen_k;
+    return list;
+}
+
+////////////////////////////////////////////////////////////////////////////////////////////////////
+
+// Copies the rows of one K or V tile from their listed positions. S0 is the thread's copy
+// partition of a row-stride-0 view of the head's keys (so it only carries column offsets);
+// positions[m] is the key position of the thread's m-th row, -1 for a row that is not a key.
+template <bool Is_even_K, bool Clear_invalid_rows, typename TiledCopy, typename Engine0, typename Layout0,
+          typename Engine1, typename Layout1, typename Engine2, typename Layout2, int kRows>
+__forceinline__ __device__ void copy_listed_rows(TiledCopy tiled_copy, Tensor<Engine0, Layout0> const &S0,
+                                                 Tensor<Engine1, Layout1> &D, Tensor<Engine2, Layout2> const &predicate_K,
+                                                 const int (&positions)[kRows], const int64_t row_stride) {
+    static_assert(decltype(size<1>(S0))::value == kRows);
+    #pragma unroll
+    for (int m = 0; m < kRows; ++m) {
+        if (positions[m] >= 0) {
+            const int64_t row_offset = int64_t(positions[m]) * row_stride;
+            #pragma unroll
+            for (int k = 0; k < size<2>(S0); ++k) {
+                if (Is_even_K || predicate_K(k)) {
+                    Tensor src = make_tensor(S0(_, m, k).data() + row_offset, S0(_, m, k).layout());
+                    cute::copy(tiled_copy, src, D(_, m, k));
+                } else {
+                    cute::clear(D(_, m, k));
+                }
+            }
+        } else if (Clear_invalid_rows) {
+            // P is 0 on these rows, but 0 * (stale NaN/Inf) is not 0.
+            cute::clear(D(_, m, _));
+        }
+    }
+}
+
+// Sets to -inf the scores of columns that are not keys, and (causal) those of mask-block keys
+// after a row's diagonal. acc_s is (MMA=4, MMA_M, MMA_N); list rows [v0, v0 + kBlockN).
+template <typename Engine, typename Layout>
+__forceinline__ __device__ void apply_sparse_mask(Tensor<Engine, Layout> &acc_s, const SparseTileList &list,
+                                                  const int v0, const bool is_causal, const int row_idx_offset,
+                                                  const int warp_row_stride, const int seqlen_q) {
+    Tensor tensor = make_tensor(acc_s.data(), FLASH_NAMESPACE::convert_layout_acc_rowcol(acc_s.layout()));
+    const int lane_id = threadIdx.x % 32;
+    const int col_offset = v0 + (lane_id % 4) * 2;
+    #pragma unroll
+    for (int nj = 0; nj < size<1, 1>(tensor); ++nj) {
+        #pragma unroll
+        for (int j = 0; j < size<1, 0>(tensor); ++j) {
+            const int v = col_offset + nj * 8 + j;
+            const int pos = list.position(v);
+            const bool causal_col = is_causal && (v >> list.block_size_log2) < list.mask_cnt;
+            #pragma unroll
+            for (int mi = 0; mi < size<0, 1>(tensor); ++mi) {
+                #pragma unroll
+                for (int i = 0; i < size<0, 0>(tensor); ++i) {
+                    const int row_idx = row_idx_offset + mi * warp_row_stride + i * 8;
+                    // Bottom-right aligned causal mask, as in FlashAttention.
+                    const bool hidden = pos < 0 || (causal_col && pos > row_idx + list.seqlen_k - seqlen_q);
+                    if (hidden) { tensor(make_coord(i, mi), make_coord(j, nj)) = -INFINITY; }
+                }
+            }
+        }
+    }
+}
+
+////////////////////////////////////////////////////////////////////////////////////////////////////
+
+// Writes O = 0 and LSE = -inf for a tile with nothing to attend to (an empty list or split).
+template<typename Kernel_traits, bool Is_even_K, bool Split, typename Params>
+__forceinline__ __device__ void write_empty_sparse_tile(const Params &params, const BlockInfo</*Varlen=*/true> &binfo,
+                                                        const int bidb, const int bidh, const int m_block, const int slot) {
+    using Element = typename Kernel_traits::Element;
+    using ElementAccum = typename Kernel_traits::ElementAccum;
+    using index_t = typename Kernel_traits::index_t;
+    using ElementO = std::conditional_t<!Split, Element, ElementAccum>;
+    using GmemTiledCopyO = std::conditional_t<!Split, typename Kernel_traits::GmemTiledCopyO, typename Kernel_traits::GmemTiledCopyOaccum>;
+    constexpr int kBlockM = Kernel_traits::kBlockM;
+    constexpr int kHeadDim = Kernel_traits::kHeadDim;
+    const int tidx = threadIdx.x;
+
+    const index_t row_offset_o = binfo.q_offset(params.o_batch_stride, params.o_row_stride, bidb)
+        + m_block * kBlockM * params.o_row_stride + bidh * params.o_head_stride;
+    const index_t row_offset_oaccum = (((index_t(slot) * params.b + bidb) * params.h + bidh) * params.seqlen_q
+        + m_block * kBlockM) * params.d_rounded;
+    const index_t row_offset_lse = (Split || !params.unpadded_lse
+        ? ((index_t(slot) * params.b + bidb) * params.h + bidh) * params.seqlen_q
+        : bidh * index_t(params.total_q) + binfo.q_offset(params.seqlen_q, 1, bidb)) + m_block * kBlockM;
+    Tensor gO = make_tensor(make_gmem_ptr(reinterpret_cast<ElementO *>(Split ? params.oaccum_ptr : params.o_ptr) + (Split ? row_offset_oaccum : row_offset_o)),
+                            Shape<Int<kBlockM>, Int<kHeadDim>>{},
+                            make_stride(Split ? kHeadDim : params.o_row_stride, _1{}));
+    Tensor gLSE = make_tensor(make_gmem_ptr(reinterpret_cast<ElementAccum *>(Split ? params.softmax_lseaccum_ptr : params.softmax_lse_ptr) + row_offset_lse),
+                              Shape<Int<kBlockM>>{}, Stride<_1>{});
+
+    GmemTiledCopyO gmem_tiled_copy_O;
+    auto gmem_thr_copy_O = gmem_tiled_copy_O.get_thread_slice(tidx);
+    Tensor tOgO = gmem_thr_copy_O.partition_D(gO);
+    Tensor tOrO = make_tensor<ElementO>(shape(tOgO));
+    clear(tOrO);
+    Tensor cO = make_identity_tensor(make_shape(size<0>(gO), size<1>(gO)));
+    Tensor tOcO = gmem_thr_copy_O.partition_D(cO);
+    Tensor tOpO = make_tensor<bool>(make_shape(size<2>(tOgO)));
+    if (!Is_even_K) {
+        #pragma unroll
+        for (int k = 0; k < size(tOpO); ++k) { tOpO(k) = get<1>(tOcO(0, 0, k)) < params.d; }
+    }
+    FLASH_NAMESPACE::copy</*Is_even_MN=*/false, Is_even_K, /*Clear_OOB_MN=*/false, /*Clear_OOB_K=*/false>(
+        gmem_tiled_copy_O, tOrO, tOgO, tOcO, tOpO, binfo.actual_seqlen_q - m_block * kBlockM
+    );
+    #pragma unroll
+    for (int m = 0; m < size<1>(tOgO); ++m) {
+        const int row = get<0>(tOcO(0, m, 0));
+        if (row < binfo.actual_seqlen_q - m_block * kBlockM && get<1>(tOcO(0, m, 0)) == 0) { gLSE(row) = -INFINITY; }
+    }
+}
+
+////////////////////////////////////////////////////////////////////////////////////////////////////
+
+template<typename Kernel_traits, bool Is_even_K, bool Split, typename Params>
+inline __device__ void compute_attn_1rowblock_sparse(const Params &params, const int bidb, const int bidh, const int m_block,
+                                                     const int n_split_idx, const int num_n_splits) {
+    using Element = typename Kernel_traits::Element;
+    using ElementAccum = typename Kernel_traits::ElementAccum;
+    using index_t = typename Kernel_traits::index_t;
+    static_assert(!Kernel_traits::Is_Q_in_regs && !Kernel_traits::Share_Q_K_smem);
+
+    extern __shared__ char smem_[];
+    const int tidx = threadIdx.x;
+
+    constexpr int kBlockM = Kernel_traits::kBlockM;
+    constexpr int kBlockN = Kernel_traits::kBlockN;
+    constexpr int kHeadDim = Kernel_traits::kHeadDim;
+    constexpr int kNWarps = Kernel_traits::kNWarps;
+
+    using GmemTiledCopyO = std::conditional_t<!Split, typename Kernel_traits::GmemTiledCopyO, typename Kernel_traits::GmemTiledCopyOaccum>;
+    using ElementO = std::conditional_t<!Split, Element, ElementAccum>;
+
+    const BlockInfo</*Varlen=*/true> binfo(params, bidb);
+    if (m_block * kBlockM >= binfo.actual_seqlen_q) return;
+    const int slot = params.sparse_split_offset + n_split_idx;
+
+    const SparseTileList list = get_sparse_tile_list<kBlockM>(params, bidb, bidh, m_block, binfo.actual_seqlen_k);
+    // This split's share of the list, in kernel tiles of kBlockN list rows.
+    const int n_tiles = cute::ceil_div(list.total_cnt << list.block_size_log2, kBlockN);
+    const int tiles_per_split = cute::ceil_div(n_tiles, num_n_splits);
+    const int tile_min = n_split_idx * tiles_per_split;
+    const int tile_max = std::min(n_tiles, tile_min + tiles_per_split);
+    if (tile_min >= tile_max) {
+        write_empty_sparse_tile<Kernel_traits, Is_even_K, Split>(params, binfo, bidb, bidh, m_block, slot);
+        return;
+    }
+
+    const int bidh_k = bidh / params.h_h_k_ratio;
+    Tensor mQ = make_tensor(make_gmem_ptr(reinterpret_cast<Element*>(params.q_ptr) + binfo.q_offset(params.q_batch_stride, params.q_row_stride, bidb)),
+                            make_shape(binfo.actual_seqlen_q, params.h, params.d),
+                            make_stride(params.q_row_stride, params.q_head_stride, _1{}));
+    Tensor gQ = local_tile(mQ(_, bidh, _), Shape<Int<kBlockM>, Int<kHeadDim>>{},
+                           make_coord(m_block, 0));  // (kBlockM, kHeadDim)
+    // Row-stride-0 views of this head's keys and values: rows are placed by copy_listed_rows.
+    Tensor gK0 = make_tensor(make_gmem_ptr(reinterpret_cast<Element *>(params.k_ptr)
+                                           + binfo.k_offset(params.k_batch_stride, params.k_row_stride, bidb) + bidh_k * params.k_head_stride),
+                             Shape<Int<kBlockN>, Int<kHeadDim>>{}, make_stride(_0{}, _1{}));
+    Tensor gV0 = make_tensor(make_gmem_ptr(reinterpret_cast<Element *>(params.v_ptr)
+                                           + binfo.k_offset(params.v_batch_stride, params.v_row_stride, bidb) + bidh_k * params.v_head_stride),
+                             Shape<Int<kBlockN>, Int<kHeadDim>>{}, make_stride(_0{}, _1{}));
+
+    Tensor sQ = make_tensor(make_smem_ptr(reinterpret_cast<Element *>(smem_)), typename Kernel_traits::SmemLayoutQ{});
+    Tensor sK = make_tensor(sQ.data() + size(sQ), typename Kernel_traits::SmemLayoutKV{});
+    Tensor sV = make_tensor(sK.data() + size(sK), typename Kernel_traits::SmemLayoutKV{});
+    Tensor sVt = make_tensor(sV.data(), typename Kernel_traits::SmemLayoutVtransposed{});
+    Tensor sVtNoSwizzle = make_tensor(sV.data().get(), typename Kernel_traits::SmemLayoutVtransposedNoSwizzle{});
+
+    typename Kernel_traits::GmemTiledCopyQKV gmem_tiled_copy_QKV;
+    auto gmem_thr_copy_QKV = gmem_tiled_copy_QKV.get_thread_slice(tidx);
+
+    Tensor tQgQ = gmem_thr_copy_QKV.partition_S(gQ);
+    Tensor tQsQ = gmem_thr_copy_QKV.partition_D(sQ);
+    Tensor tKgK0 = gmem_thr_copy_QKV.partition_S(gK0);  // (KCPY, KCPY_N, KCPY_K)
+    Tensor tKsK = gmem_thr_copy_QKV.partition_D(sK);
+    Tensor tVgV0 = gmem_thr_copy_QKV.partition_S(gV0);  // (VCPY, VCPY_N, VCPY_K)
+    Tensor tVsV = gmem_thr_copy_QKV.partition_D(sV);
+
+    typename Kernel_traits::TiledMma tiled_mma;
+    auto thr_mma = tiled_mma.get_thread_slice(tidx);
+    Tensor tSrQ  = thr_mma.partition_fragment_A(sQ);                           // (MMA,MMA_M,MMA_K)
+    Tensor tSrK  = thr_mma.partition_fragment_B(sK);                           // (MMA,MMA_N,MMA_K)
+    Tensor tOrVt  = thr_mma.partition_fragment_B(sVtNoSwizzle);                // (MMA, MMA_K,MMA_N)
+    Tensor acc_o = partition_fragment_C(tiled_mma, Shape<Int<kBlockM>, Int<kHeadDim>>{});  // MMA, MMA_M, MMA_K
+
+    auto smem_tiled_copy_Q = make_tiled_copy_A(typename Kernel_traits::SmemCopyAtom{}, tiled_mma);
+    auto smem_thr_copy_Q = smem_tiled_copy_Q.get_thread_slice(tidx);
+    Tensor tSsQ = smem_thr_copy_Q.partition_S(sQ);
+    auto smem_tiled_copy_K = make_tiled_copy_B(typename Kernel_traits::SmemCopyAtom{}, tiled_mma);
+    auto smem_thr_copy_K = smem_tiled_copy_K.get_thread_slice(tidx);
+    Tensor tSsK = smem_thr_copy_K.partition_S(sK);
+    auto smem_tiled_copy_V = make_tiled_copy_B(typename Kernel_traits::SmemCopyAtomTransposed{}, tiled_mma);
+    auto smem_thr_copy_V = smem_tiled_copy_V.get_thread_slice(tidx);
+    Tensor tOsVt = smem_thr_copy_V.partition_S(sVt);
+
+    // Predicates
+    Tensor cQ = make_identity_tensor(make_shape(size<0>(sQ), size<1>(sQ)));    // (BLK_M,BLK_K) -> (blk_m,blk_k)
+    Tensor cKV = make_identity_tensor(make_shape(size<0>(sK), size<1>(sK)));    // (BLK_N,BLK_K) -> (blk_n,blk_k)
+    Tensor tQcQ = gmem_thr_copy_QKV.partition_S(cQ);
+    Tensor tKVcKV = gmem_thr_copy_QKV.partition_S(cKV);
+    Tensor tQpQ = make_tensor<bool>(make_shape(size<2>(tQsQ)));
+    Tensor tKVpKV = make_tensor<bool>(make_shape(size<2>(tKsK)));
+    if (!Is_even_K) {
+        #pragma unroll
+        for (int k = 0; k < size(tQpQ); ++k) { tQpQ(k) = get<1>(tQcQ(0, 0, k)) < params.d; }
+        #pragma unroll
+        for (int k = 0; k < size(tKVpKV); ++k) { tKVpKV(k) = get<1>(tKVcKV(0, 0, k)) < params.d; }
+    }
+
+    // Key positions of this thread's copy rows for one tile; K and V of a tile share them.
+    constexpr int kRowsPerThread = decltype(size<1>(tKgK0))::value;
+    auto tile_positions = [&](const int tile, int (&positions)[kRowsPerThread]) {
+        #pragma unroll
+        for (int m = 0; m < kRowsPerThread; ++m) {
+            positions[m] = list.position(tile * kBlockN + get<0>(tKVcKV(0, m, 0)));
+        }
+    };
+
+    // Prologue: Q, and K of the last tile of this split (tiles are visited in reverse).
+    FLASH_NAMESPACE::copy</*Is_even_MN=*/false, Is_even_K>(gmem_tiled_copy_QKV, tQgQ, tQsQ, tQcQ, tQpQ,
+                                                          binfo.actual_seqlen_q - m_block * kBlockM);
+    int tile = tile_max - 1;
+    int positions[kRowsPerThread];
+    tile_positions(tile, positions);
+    // Invalid K rows need no clearing: their scores are masked to -inf.
+    copy_listed_rows<Is_even_K, /*Clear_invalid_rows=*/false>(gmem_tiled_copy_QKV, tKgK0, tKsK, tKVpKV, positions, params.k_row_stride);
+    cute::cp_async_fence();
+
+    clear(acc_o);
+    FLASH_NAMESPACE::Softmax<2 * size<1>(acc_o)> softmax;
+    const int row_idx_offset = m_block * kBlockM + (tidx / 32) * 16 + (tidx % 32) / 4;
+
+    for (bool is_first = true; tile >= tile_min; --tile, is_first = false) {
+        Tensor acc_s = partition_fragment_C(tiled_mma, Shape<Int<kBlockM>, Int<kBlockN>>{});  // (MMA=4, MMA_M, MMA_N)
+        clear(acc_s);
+        FLASH_NAMESPACE::cp_async_wait<0>();
+        __syncthreads();
+        copy_listed_rows<Is_even_K, /*Clear_invalid_rows=*/true>(gmem_tiled_copy_QKV, tVgV0, tVsV, tKVpKV, positions, params.v_row_stride);
+        cute::cp_async_fence();
+        // Look up the next tile's keys now so the list reads overlap the matmul.
+        int next_positions[kRowsPerThread];
+        if (tile > tile_min) { tile_positions(tile - 1, next_positions); }
+
+        FLASH_NAMESPACE::gemm(acc_s, tSrQ, tSrK, tSsQ, tSsK, tiled_mma, smem_tiled_copy_Q, smem_tiled_copy_K,
+                              smem_thr_copy_Q, smem_thr_copy_K);
+        const bool masked = list.needs_mask(tile * kBlockN, kBlockN, params.is_causal);
+        if (masked) {
+            apply_sparse_mask(acc_s, list, tile * kBlockN, params.is_causal, row_idx_offset, kNWarps * 16, binfo.actual_seqlen_q);
+        }
+
+        FLASH_NAMESPACE::cp_async_wait<0>();
+        __syncthreads();
+        if (tile > tile_min) {
+            copy_listed_rows<Is_even_K, /*Clear_invalid_rows=*/false>(gmem_tiled_copy_QKV, tKgK0, tKsK, tKVpKV, next_positions, params.k_row_stride);
+            // The fence stays inside the branch, as upstream's: the wait<0> above counts on it.
+            cute::cp_async_fence();
+            #pragma unroll
+            for (int m = 0; m < kRowsPerThread; ++m) { positions[m] = next_positions[m]; }
+        }
+
+        // A masked tile can hide whole rows, so the running max may still be -inf.
+        if (is_first) {
+            softmax.template softmax_rescale_o</*Is_first=*/true, /*Check_inf=*/true>(acc_s, acc_o, params.scale_softmax_log2);
+        } else if (masked) {
+            softmax.template softmax_rescale_o</*Is_first=*/false, /*Check_inf=*/true>(acc_s, acc_o, params.scale_softmax_log2);
+        } else {
+            softmax.template softmax_rescale_o</*Is_first=*/false, /*Check_inf=*/false>(acc_s, acc_o, params.scale_softmax_log2);
+        }
+        Tensor rP = FLASH_NAMESPACE::convert_type<Element>(acc_s);
+        Tensor tOrP = make_tensor(rP.data(), FLASH_NAMESPACE::convert_layout_acc_Aregs<typename Kernel_traits::TiledMma>(rP.layout()));
+        FLASH_NAMESPACE::gemm_rs(acc_o, tOrP, tOrVt, tOsVt, tiled_mma, smem_tiled_copy_V, smem_thr_copy_V);
+    }
+
+    // Epilogue. A row that saw no key (everything masked) gets LSE = -inf and O = 0.
+    Tensor lse = softmax.template normalize_softmax_lse</*Is_dropout=*/false, /*Split (LSE of empty rows = -inf)=*/true>(acc_o, params.scale_softmax);
+
+    Tensor sOaccum = make_tensor(make_smem_ptr(reinterpret_cast<ElementO *>(smem_)), typename Kernel_traits::SmemLayoutO{}); // (SMEM_M,SMEM_N)
+    using SmemTiledCopyO = std::conditional_t<!Split, typename Kernel_traits::SmemCopyAtomO, typename Kernel_traits::SmemCopyAtomOaccum>;
+    auto smem_tiled_copy_Oaccum = make_tiled_copy_C(SmemTiledCopyO{}, tiled_mma);
+    auto smem_thr_copy_Oaccum = smem_tiled_copy_Oaccum.get_thread_slice(tidx);
+    Tensor rO = FLASH_NAMESPACE::convert_type<ElementO>(acc_o);
+    Tensor taccOrOaccum = smem_thr_copy_Oaccum.retile_S(rO);        // ((Atom,AtomNum), MMA_M, MMA_N)
+    Tensor taccOsOaccum = smem_thr_copy_Oaccum.partition_D(sOaccum);     // ((Atom,AtomNum),PIPE_M,PIPE_N)
+    // sOaccum overlaps sQ and, in fp32, sK: wait until every warp is done with them.
+    __syncthreads();
+    cute::copy(smem_tiled_copy_Oaccum, taccOrOaccum, taccOsOaccum);
+
+    const index_t row_offset_o = binfo.q_offset(params.o_batch_stride, params.o_row_stride, bidb)
+        + m_block * kBlockM * params.o_row_stride + bidh * params.o_head_stride;
+    const index_t row_offset_oaccum = (((index_t(slot) * params.b + bidb) * params.h + bidh) * params.seqlen_q
+                                       + m_block * kBlockM) * params.d_rounded;
+    const index_t row_offset_lseaccum = (Split || !params.unpadded_lse
+        ? ((index_t(slot) * params.b + bidb) * params.h + bidh) * params.seqlen_q
+        : bidh * index_t(params.total_q) + binfo.q_offset(params.seqlen_q, 1, bidb)) + m_block * kBlockM;
+
+    Tensor gOaccum = make_tensor(make_gmem_ptr(reinterpret_cast<ElementO *>(Split ? params.oaccum_ptr : params.o_ptr) + (Split ? row_offset_oaccum : row_offset_o)),
+                                 Shape<Int<kBlockM>, Int<kHeadDim>>{},
+                                 make_stride(Split ? kHeadDim : params.o_row_stride, _1{}));
+    Tensor gLSEaccum = make_tensor(make_gmem_ptr(reinterpret_cast<ElementAccum *>(Split ? params.softmax_lseaccum_ptr : params.softmax_lse_ptr) + row_offset_lseaccum),
+                                   Shape<Int<kBlockM>>{}, Stride<_1>{});
+
+    GmemTiledCopyO gmem_tiled_copy_Oaccum;
+    auto gmem_thr_copy_Oaccum = gmem_tiled_copy_Oaccum.get_thread_slice(tidx);
+    Tensor tOsOaccum = gmem_thr_copy_Oaccum.partition_S(sOaccum);        // ((Atom,AtomNum),ATOM_M,ATOM_N)
+    Tensor tOgOaccum = gmem_thr_copy_Oaccum.partition_D(gOaccum);
+
+    __syncthreads();
+
+    Tensor tOrOaccum = make_tensor<ElementO>(shape(tOgOaccum));
+    cute::copy(gmem_tiled_copy_Oaccum, tOsOaccum, tOrOaccum);
+
+    Tensor caccO = make_identity_tensor(Shape<Int<kBlockM>, Int<kHeadDim>>{});    // (BLK_M,BLK_K) -> (blk_m,blk_k)
+    Tensor taccOcO = thr_mma.partition_C(caccO);                           // (MMA,MMA_M,MMA_K)
+    static_assert(decltype(size<0>(taccOcO))::value == 4);
+    // Convert to ((2, 2), MMA_M, MMA_K) then take only the row indices.
+    Tensor taccOcO_row = logical_divide(taccOcO, Shape<_2>{})(make_coord(0, _), _, 0);
+    CUTE_STATIC_ASSERT_V(size(lse) == size(taccOcO_row));                     // MMA_M
+    if (get<1>(taccOcO_row(0)) == 0) {
+        #pragma unroll
+        for (int mi = 0; mi < size(lse); ++mi) {
+            const int row = get<0>(taccOcO_row(mi));
+            if (row < binfo.actual_seqlen_q - m_block * kBlockM) { gLSEaccum(row) = lse(mi); }
+        }
+    }
+
+    Tensor cO = make_identity_tensor(make_shape(size<0>(sOaccum), size<1>(sOaccum)));    // (BLK_M,BLK_K) -> (blk_m,blk_k)
+    Tensor tOcO = gmem_thr_copy_Oaccum.partition_D(cO);                           // (ACPY,ACPY_M,ACPY_K) -> (blk_m,blk_k)
+    Tensor tOpO = make_tensor<bool>(make_shape(size<2>(tOgOaccum)));
+    if (!Is_even_K) {
+        #pragma unroll
+        for (int k = 0; k < size(tOpO); ++k) { tOpO(k) = get<1>(tOcO(0, 0, k)) < params.d; }
+    }
+    // Clear_OOB_K must be false since we don't want to write zeros to gmem
+    FLASH_NAMESPACE::copy</*Is_even_MN=*/false, Is_even_K, /*Clear_OOB_MN=*/false, /*Clear_OOB_K=*/false>(
+        gmem_tiled_copy_Oaccum, tOrOaccum, tOgOaccum, tOcO, tOpO, binfo.actual_seqlen_q - m_block * kBlockM
+    );
+}
+
+} // namespace FLASH_NAMESPACE

@@ -1,0 +1,96 @@
+/******************************************************************************
+ * Launchers of the sparse block-list forward (stage 3 of the sparse patch set).
+ ******************************************************************************/
+
+#pragma once
+
+#include "namespace_config.h"
+#include <c10/cuda/CUDAException.h>  // For C10_CUDA_CHECK and C10_CUDA_KERNEL_LAUNCH_CHECK
+
+#include "static_switch.h"
+#include "flash.h"
+#include "flash_sparse.h"
+#include "flash_fwd_launch_template.h"  // the split-KV combine kernel
+#include "flash_fwd_sparse_kernel.h"
+
+namespace FLASH_NAMESPACE {
+
+template<typename Kernel_traits, bool Is_even_K, bool Split>
+__global__ void flash_fwd_sparse_kernel(KERNEL_PARAM_MODIFIER const Flash_fwd_params params) {
+    #if defined(ARCH_SUPPORTS_FLASH)
+        const int m_block = blockIdx.x;
+        const int bidb = Split ? blockIdx.z / params.h : blockIdx.y;
+        const int bidh = Split ? blockIdx.z - bidb * params.h : blockIdx.z;
+        const int n_split_idx = Split ? blockIdx.y : 0;
+        const int num_n_splits = Split ? gridDim.y : 1;
+        FLASH_NAMESPACE::compute_attn_1rowblock_sparse<Kernel_traits, Is_even_K, Split>(params, bidb, bidh, m_block, n_split_idx, num_n_splits);
+    #else
+        FLASH_UNSUPPORTED_ARCH
+    #endif
+}
+
+// Split=false writes O and LSE; Split=true writes fp32 partials to slots
+// [sparse_split_offset, sparse_split_offset + num_splits) of oaccum / lseaccum.
+template<typename Kernel_traits, bool Split>
+void run_flash_sparse_fwd(Flash_fwd_params &params, cudaStream_t stream) {
+    constexpr size_t smem_size = Kernel_traits::kSmemSize;
+    const int num_m_block = (params.seqlen_q + Kernel_traits::kBlockM - 1) / Kernel_traits::kBlockM;
+    const int num_splits = Split ? params.num_splits : 1;
+    dim3 grid(num_m_block, Split ? num_splits : params.b, Split ? params.b * params.h : params.h);
+    const bool is_even_K = params.d == Kernel_traits::kHeadDim;
+    EVENK_SWITCH(is_even_K, IsEvenKConst, [&] {
+        auto kernel = &flash_fwd_sparse_kernel<Kernel_traits, IsEvenKConst, Split>;
+        if (smem_size >= 48 * 1024) {
+            C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem_size));
+        }
+        kernel<<<grid, Kernel_traits::kNThreads, smem_size, stream>>>(params);
+        C10_CUDA_KERNEL_LAUNCH_CHECK();
+    });
+}
+
+// Query tiles of 128 rows: the tile shape of the dense non-split kernel.
+template<typename T, int Headdim>
+void run_mha_fwd_sparse_(Flash_fwd_params &params, cudaStream_t stream) {
+    run_flash_sparse_fwd<Flash_fwd_kernel_traits<Headdim, kSparseWideBlockM, Headdim <= 64 ? 128 : 64, 4, false, false, T>, /*Split=*/false>(params, stream);
+}
+
+// Query tiles of 64 rows: the tile shape of the dense split-KV kernel. Used for splits and
+// partials, and for short queries or 64-row table tiles.
+template<typename T, int Headdim>
+void run_mha_fwd_sparse_narrow_(Flash_fwd_params &params, cudaStream_t stream, bool split) {
+    using Traits = Flash_fwd_kernel_traits<Headdim, kSparseNarrowBlockM, Headdim <= 64 ? 256 : (Headdim <= 128 ? 128 : 64), 4, false, false, T>;
+    if (split) {
+        run_flash_sparse_fwd<Traits, /*Split=*/true>(params, stream);
+    } else {
+        run_flash_sparse_fwd<Traits, /*Split=*/false>(params, stream);
+    }
+}
+
+// The split-KV combine kernel over params.num_splits slots of oaccum / lseaccum.
+template<typename T, int Headdim>
+void run_mha_combine_(Flash_fwd_params &params, cudaStream_t stream) {
+    using Kernel_traits = Flash_fwd_kernel_traits<Headdim, 64, Headdim <= 64 ? 256 : (Headdim <= 128 ? 128 : 64), 4, false, false, T>;
+    constexpr static int kBlockM = Kernel_traits::kHeadDim % 128 == 0 ? 4 : (Kernel_traits::kHeadDim % 64 == 0 ? 8 : 16);
+    dim3 grid_combine((params.b * params.h * params.seqlen_q + kBlockM - 1) / kBlockM);
+    const bool is_even_K = params.d == Kernel_traits::kHeadDim;
+    EVENK_SWITCH(is_even_K, IsEvenKConst, [&] {
+        if (params.num_splits <= 2) {
+            flash_fwd_splitkv_combine_kernel<Kernel_traits, kBlockM, 1, IsEvenKConst><<<grid_combine, Kernel_traits::kNThreads, 0, stream>>>(params);
+        } else if (params.num_splits <= 4) {
+            flash_fwd_splitkv_combine_kernel<Kernel_traits, kBlockM, 2, IsEvenKConst><<<grid_combine, Kernel_traits::kNThreads, 0, stream>>>(params);
+        } else if (params.num_splits <= 8) {
+            flash_fwd_splitkv_combine_kernel<Kernel_traits, kBlockM, 3, IsEvenKConst><<<grid_combine, Kernel_traits::kNThreads, 0, stream>>>(params);
+        } else if (params.num_splits <= 16) {
+            flash_fwd_splitkv_combine_kernel<Kernel_traits, kBlockM, 4, IsEvenKConst><<<grid_combine, Kernel_traits::kNThreads, 0, stream>>>(params);
+        } else if (params.num_splits <= 32) {
+            flash_fwd_splitkv_combine_kernel<Kernel_traits, kBlockM, 5, IsEvenKConst><<<grid_combine, Kernel_traits::kNThreads, 0, stream>>>(params);
+        } else if (params.num_splits <= 64) {
+            flash_fwd_splitkv_combine_kernel<Kernel_traits, kBlockM, 6, IsEvenKConst><<<grid_combine, Kernel_traits::kNThreads, 0, stream>>>(params);
+        } else {
+            flash_fwd_splitkv_combine_kernel<Kernel_traits, kBlockM, 7, IsEvenKConst><<<grid_combine, Kernel_traits::kNThreads, 0, stream>>>(params);
+        }
+        C10_CUDA_KERNEL_LAUNCH_CHECK();
+    });
+}
+
+}  // namespace FLASH_NAMESPACE

@@ -1,0 +1,323 @@
+"""Public API of speculative sparse attention over the FA-2 kernels."""
+
+import math
+from typing import Optional, Sequence, Tuple, Union
+
+import torch
+from torch import Tensor
+
+from . import ops
+from .metadata import (SparseBlocks, SparseInputError, cdiv, exhaustive_validation_requested, fail,
+                       validate_block_contents, validate_blocks)
+
+BlockTable = Union[Tensor, SparseBlocks]
+MAX_SPLITS = 128
+
+
+_SM_COUNTS = {}
+
+
+@torch.compiler.assume_constant_result
+def _num_sms(device_index: int) -> int:
+    if device_index not in _SM_COUNTS:
+        _SM_COUNTS[device_index] = torch.cuda.get_device_properties(device_index).multi_processor_count
+    return _SM_COUNTS[device_index]
+
+
+def _tile_n(head_dim: int) -> int:
+    """Keys per tile of the split-capable (64-row) sparse kernel."""
+    return 256 if head_dim <= 64 else (128 if head_dim <= 128 else 64)
+
+
+def choose_num_splits(batch_heads_mblocks: int, num_sms: int, num_tiles: int, max_splits: int = MAX_SPLITS) -> int:
+    """Upstream's num_splits_heuristic, over the tiles of the block list instead of the dense range.
+
+    One split if the CTAs nearly fill the GPU; else the fewest splits within 85% of the best
+    wave efficiency, counting a split count as distinct only if it changes tiles per split.
+    """
+    if batch_heads_mblocks >= 0.8 * num_sms:
+        return 1
+    max_splits = min(max_splits, num_sms, num_tiles)
+    candidates, efficiencies = [], []
+    for splits in range(1, max_splits + 1):
+        if splits > 1 and cdiv(num_tiles, splits) == cdiv(num_tiles, splits - 1):
+            continue
+        waves = batch_heads_mblocks * splits / num_sms
+        candidates.append(splits)
+        efficiencies.append(waves / math.ceil(waves))
+    best = max(efficiencies)
+    for splits, efficiency in zip(candidates, efficiencies):
+        if efficiency >= 0.85 * best:
+            return splits
+    return 1
+
+
+def _auto_num_splits(q: Tensor, batch: int, heads: int, max_seqlen_q: int, list_length: int, block_size: int) -> int:
+    tiles = cdiv(list_length * block_size, _tile_n(q.shape[-1]))
+    # Two 128-thread CTAs fit per SM, as upstream assumes.
+    return choose_num_splits(batch * heads * cdiv(max_seqlen_q, 64), 2 * _num_sms(q.device.index or 0), max(tiles, 1))
+
+
+def _check_qkv(q: Tensor, k: Tensor, v: Tensor, varlen: bool) -> Tuple[Tensor, Tensor, Tensor]:
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, Tensor):
+            fail(name, f"must be a tensor, got {type(t).__name__}")
+        if t.dtype not in (torch.float16, torch.bfloat16):
+            fail(name, f"must be float16 or bfloat16, got {t.dtype}")
+        if t.dim() != (3 if varlen else 4):
+            layout = "(total, heads, head_dim)" if varlen else "(batch, seqlen, heads, head_dim)"
+            fail(name, f"must be {layout}, got shape {tuple(t.shape)}")
+    if k.dtype != q.dtype or v.dtype != q.dtype:
+        fail("k", f"q, k and v must have the same dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
+    if k.shape != v.shape:
+        fail("v", f"must have the shape of k {tuple(k.shape)}, got {tuple(v.shape)}")
+    head_dim, heads, heads_k = q.shape[-1], q.shape[-2], k.shape[-2]
+    if head_dim % 8 or head_dim > 256:
+        fail("q", f"head_dim must be a multiple of 8, at most 256, got {head_dim}")
+    if k.shape[-1] != head_dim:
+        fail("k", f"head_dim must be q's {head_dim}, got {k.shape[-1]}")
+    if heads % heads_k:
+        fail("k", f"num_heads_k={heads_k} must divide num_heads={heads}")
+    if not varlen and k.shape[0] != q.shape[0]:
+        fail("k", f"batch must be q's {q.shape[0]}, got {k.shape[0]}")
+    for name, t in (("k", k), ("v", v)):
+        if t.device != q.device:
+            fail(name, f"must be on the device of q ({q.device}), got {t.device}")
+    return tuple(t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
+
+
+def _resolve_scale(softmax_scale: Optional[float], head_dim: int) -> float:
+    if softmax_scale is None:
+        return head_dim ** -0.5
+    if not math.isfinite(softmax_scale):
+        fail("softmax_scale", f"must be finite, got {softmax_scale}")
+    return float(softmax_scale)
+
+
+def _as_blocks(table: BlockTable, block_size: int, batch: int, name: str) -> SparseBlocks:
+    if isinstance(table, SparseBlocks):
+        return table
+    if not isinstance(table, Tensor):
+        fail(name, f"must be a 1-D int32 tensor or SparseBlocks, got {type(table).__name__}")
+    if table.dtype != torch.int32:
+        fail(name, f"must have dtype torch.int32, got {table.dtype}")
+    if block_size not in (16, 32, 64, 128, 256):
+        fail("block_size", f"must be one of (16, 32, 64, 128, 256), got {block_size}")
+    return SparseBlocks.from_block_table(table, block_size, batch_size=batch)
+
+
+def _check_num_splits(num_splits) -> None:
+    if not isinstance(num_splits, int) or isinstance(num_splits, bool) or not 0 <= num_splits <= MAX_SPLITS:
+        fail("num_splits", f"must be an int in [0, {MAX_SPLITS}] (0 picks automatically), got {num_splits!r}")
+
+
+class _Call:
+    """One validated sparse forward: the arguments of the custom ops."""
+
+    def __init__(self, q, k, v, blocks: SparseBlocks, *, causal: bool, softmax_scale, num_splits: int = 0,
+                 cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None, seqused_k=None,
+                 validate=None, table_name="sparse_block_table"):
+        varlen = cu_seqlens_q is not None or cu_seqlens_k is not None
+        _check_num_splits(num_splits)
+        self.requested_splits = num_splits
+        q, k, v = _check_qkv(q, k, v, varlen)
+        if varlen:
+            for name, t in (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k)):
+                if not isinstance(t, Tensor) or t.dtype != torch.int32 or t.dim() != 1 or t.device != q.device:
+                    fail(name, "must be a 1-D int32 tensor on the device of q")
+            if cu_seqlens_k.shape != cu_seqlens_q.shape:
+                fail("cu_seqlens_k", f"must have the shape of cu_seqlens_q {tuple(cu_seqlens_q.shape)}, got {tuple(cu_seqlens_k.shape)}")
+            for name, value in (("max_seqlen_q", max_seqlen_q), ("max_seqlen_k", max_seqlen_k)):
+                if not isinstance(value, int) or value < 0:
+                    fail(name, f"must be a non-negative int, got {value!r}")
+            batch = cu_seqlens_q.shape[0] - 1
+        else:
+            batch, max_seqlen_q, max_seqlen_k = q.shape[0], q.shape[1], k.shape[1]
+        if seqused_k is not None:
+            if not isinstance(seqused_k, Tensor) or seqused_k.dtype != torch.int32 or seqused_k.shape != (batch,) or seqused_k.device != q.device:
+                fail("seqused_k", f"must be an int32 tensor of shape ({batch},) on the device of q")
+        if not isinstance(causal, bool):
+            fail("causal", f"must be a bool, got {causal!r}")
+        if not isinstance(blocks, SparseBlocks):
+            fail(table_name, f"must be SparseBlocks, got {type(blocks).__name__}")
+        validate_blocks(blocks, batch_size=batch, num_heads=q.shape[-2], num_heads_k=k.shape[-2],
+                        max_seqlen_q=max_seqlen_q, device=q.device, varlen=varlen)
+        if exhaustive_validation_requested(validate):
+            if varlen:
+                seqlens_q = (cu_seqlens_q[1:] - cu_seqlens_q[:-1]).tolist()
+                seqlens_k = (cu_seqlens_k[1:] - cu_seqlens_k[:-1]).tolist()
+                if max(seqlens_q + [0]) > max_seqlen_q or max(seqlens_k + [0]) > max_seqlen_k:
+                    fail("max_seqlen_q", "max_seqlen_q / max_seqlen_k must bound the sequence lengths in cu_seqlens")
+            else:
+                seqlens_q, seqlens_k = [max_seqlen_q] * batch, [max_seqlen_k] * batch
+            if seqused_k is not None:
+                seqlens_k = seqused_k.tolist()
+            validate_block_contents(blocks, causal=causal, seqlens_q=seqlens_q, seqlens_k=seqlens_k)
+        self.scale = _resolve_scale(softmax_scale, q.shape[-1])
+        # Last, so that every other check also runs (and is tested) on CPU tensors.
+        if q.device.type != "cuda":
+            fail("q", f"must be on a CUDA device, got {q.device}")
+        self.q, self.k, self.v, self.blocks = q, k, v, blocks
+        self.batch, self.varlen = batch, varlen
+        self.max_seqlen_q, self.max_seqlen_k = max_seqlen_q, max_seqlen_k
+        self.causal = causal
+        self.cu_seqlens_q, self.cu_seqlens_k, self.seqused_k = cu_seqlens_q, cu_seqlens_k, seqused_k
+
+    def op_args(self, num_splits: int):
+        b = self.blocks
+        return (self.q, self.k, self.v, b.full_cnt, b.full_idx, b.mask_cnt, b.mask_idx,
+                self.cu_seqlens_q, self.cu_seqlens_k, self.seqused_k, b.cu_total_m_blocks, b.cu_block_idx_offsets,
+                self.max_seqlen_q, self.max_seqlen_k, b.block_size, b.resolved_q_block_size(self.max_seqlen_q),
+                self.scale, self.causal, num_splits)
+
+    def num_splits(self) -> int:
+        """The requested split count, or the heuristic's choice for 0."""
+        if self.requested_splits:
+            return self.requested_splits
+        return _auto_num_splits(self.q, self.batch, self.q.shape[-2], self.max_seqlen_q,
+                                self.blocks.max_list_length(self.max_seqlen_k), self.blocks.block_size)
+
+    def run(self) -> Tuple[Tensor, Tensor]:
+        return ops.sparse_fwd(*self.op_args(self.num_splits()))
+
+    def run_partial(self, out_partial: Tensor, lse_partial: Tensor, offset: int, num_splits: int) -> None:
+        ops.sparse_fwd_partial(*self.op_args(num_splits), out_partial, lse_partial, offset)
+
+
+def flash_attn_with_sparse_block_table(q: Tensor, k: Tensor, v: Tensor, sparse_block_table: BlockTable,
+                                       block_size: int = 128, softmax_scale: Optional[float] = None,
+                                       num_splits: int = 0, causal: bool = False,
+                                       validate: Optional[str] = None) -> Tuple[Tensor, Tensor]:
+    """Attention of q over the K/V blocks named by sparse_block_table. Returns (out, lse).
+
+    q: (batch, seqlen_q, heads, head_dim); k, v: (batch, seqlen_k, heads_k, head_dim), fp16/bf16.
+    sparse_block_table: a 1-D int32 tensor of block ids shared by every batch, head and query
+    row (all "full" blocks, any order, no duplicates), or SparseBlocks for per-(batch, head,
+    query tile) lists with "mask" blocks. A block is block_size keys (SparseBlocks carries its
+    own block size). causal applies the bottom-right causal mask to "mask" blocks.
+    num_splits=0 picks the split-KV count from the list length and the GPU; 1 disables it.
+    Returns out like q and lse (batch, heads, seqlen_q) fp32; a row that sees no key has
+    out = 0, lse = -inf. validate="full" (or FLASH_ATTN_SPARSE_VALIDATE=full) also checks the
+    list contents, at the cost of one host sync.
+    """
+    blocks = _as_blocks(sparse_block_table, block_size, q.shape[0] if isinstance(q, Tensor) and q.dim() == 4 else 1,
+                        "sparse_block_table")
+    call = _Call(q, k, v, blocks, causal=causal, softmax_scale=softmax_scale, num_splits=num_splits, validate=validate)
+    return call.run()
+
+
+def flash_attn_varlen_with_sparse_blocks(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlens_k: Tensor,
+                                         max_seqlen_q: int, max_seqlen_k: int, blocks: SparseBlocks,
+                                         causal: bool = False, softmax_scale: Optional[float] = None,
+                                         num_splits: int = 0, seqused_k: Optional[Tensor] = None,
+                                         validate: Optional[str] = None) -> Tuple[Tensor, Tensor]:
+    """Varlen form: q (total_q, heads, head_dim), k, v (total_k, heads_k, head_dim) packed by
+    cu_seqlens; blocks in the varlen layout. Returns out like q and lse (heads, total_q)."""
+    call = _Call(q, k, v, blocks, causal=causal, softmax_scale=softmax_scale, num_splits=num_splits,
+                 cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q,
+                 max_seqlen_k=max_seqlen_k, seqused_k=seqused_k, validate=validate, table_name="blocks")
+    return call.run()
+
+
+def flash_attn_sparse_partials(q: Tensor, k: Tensor, v: Tensor, block_groups: Sequence[BlockTable],
+                               block_size: int = 128, softmax_scale: Optional[float] = None,
+                               causal: bool = False, validate: Optional[str] = None) -> Tuple[Tensor, Tensor]:
+    """One (O, LSE) partial per group of blocks, unmerged: out_partials (G, batch, heads,
+    seqlen_q, head_dim_rounded) fp32 and lse_partials (G, batch, heads, seqlen_q) fp32, in the
+    layout flash_attn_combine takes. Groups should be disjoint for the merge to be attention
+    over their union."""
+    if not isinstance(block_groups, (list, tuple)) or not block_groups:
+        fail("block_groups", "must be a non-empty list of block tables")
+    if len(block_groups) > MAX_SPLITS:
+        fail("block_groups", f"at most {MAX_SPLITS} groups, got {len(block_groups)}")
+    calls = [_Call(q, k, v, _as_blocks(g, block_size, q.shape[0] if q.dim() == 4 else 1, f"block_groups[{i}]"),
+                   causal=causal, softmax_scale=softmax_scale, validate=validate, table_name=f"block_groups[{i}]")
+             for i, g in enumerate(block_groups)]
+    first = calls[0]
+    out_partial, lse_partial = ops.partial_buffers(len(calls), first.batch, first.q.shape[2], first.max_seqlen_q,
+                                                   first.q.shape[3], first.q.device)
+    for slot, call in enumerate(calls):
+        call.run_partial(out_partial, lse_partial, slot, num_splits=1)
+    return out_partial, lse_partial
+
+
+def flash_attn_combine(out_partials: Tensor, lse_partials: Tensor, out_dtype: torch.dtype = torch.bfloat16,
+                       head_dim: Optional[int] = None) -> Tuple[Tensor, Tensor]:
+    """Exact k-way merge of (O, LSE) partials with the split-KV combine kernel.
+
+    out_partials (S, batch, heads, seqlen_q, head_dim_rounded) fp32, lse_partials (S, batch,
+    heads, seqlen_q) fp32, S <= 128; partials with LSE = -inf contribute nothing. Returns out
+    (batch, seqlen_q, heads, head_dim) in out_dtype and lse (batch, heads, seqlen_q).
+    """
+    for name, t, dims in (("out_partials", out_partials, 5), ("lse_partials", lse_partials, 4)):
+        if not isinstance(t, Tensor) or t.dtype != torch.float32 or t.dim() != dims:
+            fail(name, f"must be a {dims}-D float32 tensor")
+    if lse_partials.shape != out_partials.shape[:4]:
+        fail("lse_partials", f"must have shape {tuple(out_partials.shape[:4])}, got {tuple(lse_partials.shape)}")
+    if not 1 <= out_partials.shape[0] <= MAX_SPLITS:
+        fail("out_partials", f"must hold 1 to {MAX_SPLITS} partials, got {out_partials.shape[0]}")
+    if out_dtype not in (torch.float16, torch.bfloat16):
+        fail("out_dtype", f"must be float16 or bfloat16, got {out_dtype}")
+    head_dim = out_partials.shape[-1] if head_dim is None else head_dim
+    if ops._head_dim_rounded(head_dim) != out_partials.shape[-1]:
+        fail("head_dim", f"{head_dim} does not round to the partials' last dim {out_partials.shape[-1]}")
+    for name, t in (("out_partials", out_partials), ("lse_partials", lse_partials)):
+        if t.device.type != "cuda":
+            fail(name, f"must be on a CUDA device, got {t.device}")
+    return ops.combine(out_partials.contiguous(), lse_partials.contiguous(), out_dtype, head_dim, None, 0)
+
+
+def _all_blocks(num_keys: int, block_size: int, device) -> Tensor:
+    return torch.arange(cdiv(num_keys, block_size), dtype=torch.int32, device=device)
+
+
+def flash_attn_speculative_sparse(q: Tensor, k_spec: Tensor, v_spec: Tensor, k: Tensor, v: Tensor,
+                                  sparse_block_table: BlockTable, softmax_scale: Optional[float] = None,
+                                  causal_spec: bool = True, block_size: int = 128, num_splits: int = 0,
+                                  validate: Optional[str] = None) -> Tuple[Tensor, Tensor]:
+    """Speculative + repair: attention over the caller-gathered speculative K/V (k_spec, v_spec;
+    it holds the diagonal, causal when causal_spec) merged exactly with attention over the
+    missed blocks of the full K/V (sparse_block_table, all "full": every key visible to every
+    query row). Both passes write fp32 partials into one buffer; the split-KV combine kernel
+    merges them. Returns (out, lse) like flash_attn_with_sparse_block_table."""
+    batch = q.shape[0] if isinstance(q, Tensor) and q.dim() == 4 else 1
+    missed = _as_blocks(sparse_block_table, block_size, batch, "sparse_block_table")
+    if not isinstance(k_spec, Tensor) or k_spec.dim() != 4:
+        fail("k_spec", "must be a (batch, seqlen_spec, heads_k, head_dim) tensor")
+    spec_table = _all_blocks(k_spec.shape[1], 128, k_spec.device)
+    spec = SparseBlocks.from_block_table(spec_table, 128, batch, kind="mask" if causal_spec else "full")
+    spec_call = _Call(q, k_spec, v_spec, spec, causal=causal_spec, softmax_scale=softmax_scale, num_splits=num_splits,
+                      validate=validate, table_name="k_spec")
+    missed_call = _Call(q, k, v, missed, causal=False, softmax_scale=softmax_scale, num_splits=num_splits,
+                        validate=validate)
+    spec_splits = spec_call.num_splits()
+    missed_splits = missed_call.num_splits()
+    if spec_splits + missed_splits > MAX_SPLITS:
+        spec_splits, missed_splits = min(spec_splits, MAX_SPLITS // 2), min(missed_splits, MAX_SPLITS // 2)
+    out_partial, lse_partial = ops.partial_buffers(spec_splits + missed_splits, spec_call.batch, q.shape[2],
+                                                   q.shape[1], q.shape[3], q.device)
+    spec_call.run_partial(out_partial, lse_partial, 0, spec_splits)
+    missed_call.run_partial(out_partial, lse_partial, spec_splits, missed_splits)
+    return ops.combine(out_partial, lse_partial, q.dtype, q.shape[3], None, 0)
+
+
+def flash_attn_speculative_sparse_zero_copy(q: Tensor, k: Tensor, v: Tensor, spec_block_table: BlockTable,
+                                            missed_block_table: BlockTable, block_size: int = 128,
+                                            softmax_scale: Optional[float] = None, causal_spec: bool = True,
+                                            num_splits: int = 0, validate: Optional[str] = None) -> Tuple[Tensor, Tensor]:
+    """Speculative + repair without gathering: the speculative set is a block list over the same
+    K/V (as "mask" blocks, so the diagonal gets the causal mask when causal_spec) and the missed
+    set another ("full" blocks). One pass over both lists gives attention over their union.
+    Both tables are 1-D int32 block-id tensors shared by every batch, head and query row."""
+    batch = q.shape[0] if isinstance(q, Tensor) and q.dim() == 4 else 1
+    for name, t in (("spec_block_table", spec_block_table), ("missed_block_table", missed_block_table)):
+        if not isinstance(t, Tensor) or t.dtype != torch.int32 or t.dim() != 1:
+            fail(name, "must be a 1-D int32 tensor of block ids")
+    spec = SparseBlocks.from_block_table(spec_block_table, block_size, batch, kind="mask")
+    missed = SparseBlocks.from_block_table(missed_block_table, block_size, batch)
+    n = max(spec_block_table.shape[0], missed_block_table.shape[0])
+    pad = lambda t: torch.nn.functional.pad(t, (0, n - t.shape[0])).view(1, 1, 1, n).expand(batch, 1, 1, n)
+    union = SparseBlocks(missed.full_cnt, pad(missed_block_table), spec.mask_cnt, pad(spec_block_table), block_size)
+    call = _Call(q, k, v, union, causal=causal_spec, softmax_scale=softmax_scale, num_splits=num_splits,
+                 validate=validate)
+    return call.run()

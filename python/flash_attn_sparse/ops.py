@@ -1,0 +1,99 @@
+"""torch custom ops over the compiled kernels, with fake (meta) implementations so that
+torch.compile(fullgraph=True) traces calls to them.
+
+The kernels live in flash_attn_2_cuda (the patched FA-2 extension): `sparse_fwd` and `combine`.
+"""
+
+from typing import Optional, Tuple
+
+import torch
+from torch import Tensor
+
+
+def _cuda_module():
+    import flash_attn_2_cuda
+    return flash_attn_2_cuda
+
+
+def _head_dim_rounded(head_dim: int) -> int:
+    multiple = 32 if head_dim <= 128 else 64
+    return (head_dim + multiple - 1) // multiple * multiple
+
+
+@torch.library.custom_op("flash_attn_sparse::fwd", mutates_args=(), device_types="cuda")
+def sparse_fwd(q: Tensor, k: Tensor, v: Tensor, full_cnt: Tensor, full_idx: Tensor,
+               mask_cnt: Optional[Tensor], mask_idx: Optional[Tensor],
+               cu_seqlens_q: Optional[Tensor], cu_seqlens_k: Optional[Tensor], seqused_k: Optional[Tensor],
+               cu_total_m_blocks: Optional[Tensor], cu_block_idx_offsets: Optional[Tensor],
+               max_seqlen_q: int, max_seqlen_k: int, block_size: int, q_block_size: int,
+               softmax_scale: float, causal: bool, num_splits: int) -> Tuple[Tensor, Tensor]:
+    out, lse = _cuda_module().sparse_fwd(
+        q, k, v, None, full_cnt, full_idx, mask_cnt, mask_idx, cu_seqlens_q, cu_seqlens_k, seqused_k,
+        cu_total_m_blocks, cu_block_idx_offsets, max_seqlen_q, max_seqlen_k, block_size, q_block_size,
+        softmax_scale, causal, num_splits, None, None, 0)
+    return out, lse
+
+
+@sparse_fwd.register_fake
+def _(q, k, v, full_cnt, full_idx, mask_cnt, mask_idx, cu_seqlens_q, cu_seqlens_k, seqused_k,
+      cu_total_m_blocks, cu_block_idx_offsets, max_seqlen_q, max_seqlen_k, block_size, q_block_size,
+      softmax_scale, causal, num_splits):
+    out = torch.empty_like(q)
+    if cu_seqlens_q is not None:
+        lse = q.new_empty((q.shape[1], q.shape[0]), dtype=torch.float32)
+    else:
+        lse = q.new_empty((q.shape[0], q.shape[2], q.shape[1]), dtype=torch.float32)
+    return out, lse
+
+
+@torch.library.custom_op("flash_attn_sparse::fwd_partial", mutates_args=("out_partial", "lse_partial"), device_types="cuda")
+def sparse_fwd_partial(q: Tensor, k: Tensor, v: Tensor, full_cnt: Tensor, full_idx: Tensor,
+                       mask_cnt: Optional[Tensor], mask_idx: Optional[Tensor],
+                       cu_seqlens_q: Optional[Tensor], cu_seqlens_k: Optional[Tensor], seqused_k: Optional[Tensor],
+                       cu_total_m_blocks: Optional[Tensor], cu_block_idx_offsets: Optional[Tensor],
+                       max_seqlen_q: int, max_seqlen_k: int, block_size: int, q_block_size: int,
+                       softmax_scale: float, causal: bool, num_splits: int,
+                       out_partial: Tensor, lse_partial: Tensor, partial_offset: int) -> None:
+    """Writes fp32 partials of this call to slots [partial_offset, partial_offset + num_splits)."""
+    _cuda_module().sparse_fwd(
+        q, k, v, None, full_cnt, full_idx, mask_cnt, mask_idx, cu_seqlens_q, cu_seqlens_k, seqused_k,
+        cu_total_m_blocks, cu_block_idx_offsets, max_seqlen_q, max_seqlen_k, block_size, q_block_size,
+        softmax_scale, causal, num_splits, out_partial, lse_partial, partial_offset)
+
+
+@sparse_fwd_partial.register_fake
+def _(*args):
+    return None
+
+
+@torch.library.custom_op("flash_attn_sparse::combine", mutates_args=(), device_types="cuda")
+def combine(out_partial: Tensor, lse_partial: Tensor, out_dtype: torch.dtype, head_dim: int,
+            cu_seqlens_q: Optional[Tensor], total_q: int) -> Tuple[Tensor, Tensor]:
+    """Merges (S, b, h, seqlen_q, d_rounded) / (S, b, h, seqlen_q) fp32 partials."""
+    out, lse = _combine_outputs(out_partial, out_dtype, head_dim, cu_seqlens_q, total_q)
+    _cuda_module().combine(out_partial, lse_partial, out, lse, cu_seqlens_q)
+    return out, lse
+
+
+@combine.register_fake
+def _(out_partial, lse_partial, out_dtype, head_dim, cu_seqlens_q, total_q):
+    return _combine_outputs(out_partial, out_dtype, head_dim, cu_seqlens_q, total_q)
+
+
+def _combine_outputs(out_partial: Tensor, out_dtype: torch.dtype, head_dim: int, cu_seqlens_q: Optional[Tensor],
+                     total_q: int) -> Tuple[Tensor, Tensor]:
+    _, batch, heads, seqlen_q, _ = out_partial.shape
+    if cu_seqlens_q is not None:
+        out = out_partial.new_empty((total_q, heads, head_dim), dtype=out_dtype)
+        lse = out_partial.new_empty((heads, total_q), dtype=torch.float32)
+    else:
+        out = out_partial.new_empty((batch, seqlen_q, heads, head_dim), dtype=out_dtype)
+        lse = out_partial.new_empty((batch, heads, seqlen_q), dtype=torch.float32)
+    return out, lse
+
+
+def partial_buffers(num_slots: int, batch: int, heads: int, seqlen_q: int, head_dim: int, device) -> Tuple[Tensor, Tensor]:
+    """Uninitialised fp32 partial buffers in the layout the kernels and the combine use."""
+    out_partial = torch.empty((num_slots, batch, heads, seqlen_q, _head_dim_rounded(head_dim)), dtype=torch.float32, device=device)
+    lse_partial = torch.empty((num_slots, batch, heads, seqlen_q), dtype=torch.float32, device=device)
+    return out_partial, lse_partial

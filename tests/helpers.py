@@ -1,0 +1,49 @@
+"""Shared test helpers: inputs, poisoning, and FlashAttention's tolerance convention."""
+
+import torch
+
+from flash_attn_sparse.reference import attention_ref
+
+
+def random_qkv(batch, seqlen_q, seqlen_k, heads, heads_k, head_dim, dtype, device="cuda", generator=None):
+    """Fresh random inputs (never zeros)."""
+    def randn(*shape):
+        return torch.randn(*shape, generator=generator, device=device, dtype=torch.float32).to(dtype)
+    return randn(batch, seqlen_q, heads, head_dim), randn(batch, seqlen_k, heads_k, head_dim), randn(batch, seqlen_k, heads_k, head_dim)
+
+
+def poison_allocator(*shapes_and_dtypes, device="cuda"):
+    """Fill soon-to-be-reused cached blocks with NaN, so an output element the kernel does not
+    write shows up as NaN (outputs are allocated inside the ops)."""
+    held = [torch.full(shape, float("nan"), dtype=dtype, device=device) for shape, dtype in shapes_and_dtypes]
+    del held
+
+
+def max_err(a, b):
+    """Max abs difference, with matching infinities counting as equal."""
+    a, b = a.double(), b.double()
+    both_inf = torch.isinf(a) & torch.isinf(b) & (torch.sign(a) == torch.sign(b))
+    diff = torch.where(both_inf, torch.zeros_like(a), (a - b).abs())
+    return diff.max().item() if diff.numel() else 0.0
+
+
+LSE_TOLERANCE = 1e-3  # fp32 accumulation and exp2 in the kernel; the reference LSE is exact from the same bf16/fp16 inputs
+
+
+def assert_close_to_reference(out, lse, q, k, v, visible, softmax_scale=None, lse_layout="bhs"):
+    """FlashAttention's convention: error vs an fp32 reference at most 2x the error of the same
+    computation in the input dtype, plus a rounding term; LSE compared too.
+
+    lse_layout "bhs": lse is (batch, heads, seqlen_q); "hs": varlen (heads, total_q) with batch 1.
+    """
+    ref_out, ref_lse = attention_ref(q, k, v, visible, softmax_scale, dtype=torch.float32)
+    low_out, _ = attention_ref(q, k, v, visible, softmax_scale, dtype=q.dtype)
+    assert not torch.isnan(out).any(), "output has NaN (unwritten or poisoned elements)"
+    assert not torch.isnan(lse).any(), "LSE has NaN"
+    err, low_err = max_err(out, ref_out), max_err(low_out, ref_out)
+    assert err <= 2 * low_err + 1e-5, f"output error {err:.3e} > 2 x low-precision error {low_err:.3e} + 1e-5"
+    if lse_layout == "hs":
+        ref_lse = ref_lse[0]
+    lse_err = max_err(lse, ref_lse)
+    assert lse_err <= LSE_TOLERANCE, f"LSE error {lse_err:.3e} > {LSE_TOLERANCE}"
+    return err, low_err, lse_err

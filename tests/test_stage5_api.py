@@ -1,0 +1,159 @@
+"""Stage 5: the speculative two-pass, partials + combine, torch.compile, dense regression."""
+
+import random
+
+import pytest
+import torch
+
+import flash_attn_sparse as fas
+from flash_attn_sparse.reference import attention_ref, block_positions, combine_ref
+from helpers import assert_close_to_reference, max_err, poison_allocator, random_qkv
+
+pytestmark = [pytest.mark.stage5, pytest.mark.gpu]
+
+
+def missed_and_spec(n_blocks, n_spec, rng):
+    """The speculative set holds the last n_spec blocks (the diagonal); the missed set is a
+    permuted, gapped choice of earlier blocks."""
+    spec = list(range(n_blocks - n_spec, n_blocks))
+    missed = rng.sample(range(n_blocks - n_spec), (n_blocks - n_spec) // 3)
+    return spec, missed
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+@pytest.mark.parametrize("seqlen_q", [1, 16, 128])
+@pytest.mark.parametrize("num_splits", [0, 1, 3], ids=["auto", "nosplit", "split"])
+def test_speculative_gathered_equals_attention_over_union(seqlen_q, dtype, num_splits):
+    g = torch.Generator(device="cuda").manual_seed(seqlen_q + num_splits)
+    block_size, seqlen_k = 128, 6000
+    q, k, v = random_qkv(2, seqlen_q, seqlen_k, 8, 2, 128, dtype, generator=g)
+    n_blocks = -(-seqlen_k // block_size)
+    spec, missed = missed_and_spec(n_blocks, 3, random.Random(seqlen_q))
+    spec_pos = block_positions(spec, block_size, seqlen_k).cuda()
+    miss_pos = block_positions(missed, block_size, seqlen_k).cuda()
+    k_spec, v_spec = k[:, spec_pos].contiguous(), v[:, spec_pos].contiguous()
+    table = torch.tensor(missed, dtype=torch.int32, device="cuda")
+    out, lse = fas.flash_attn_speculative_sparse(q, k_spec, v_spec, k, v, table, num_splits=num_splits)
+    # Reference: keys = missed blocks (all visible) then the speculative keys (causal within them).
+    keys = torch.cat([k[:, miss_pos], k_spec], dim=1)
+    values = torch.cat([v[:, miss_pos], v_spec], dim=1)
+    n_spec = spec_pos.numel()
+    visible = torch.ones(seqlen_q, keys.shape[1], dtype=torch.bool, device="cuda")
+    rows = torch.arange(seqlen_q, device="cuda")[:, None]
+    visible[:, miss_pos.numel():] = torch.arange(n_spec, device="cuda")[None, :] <= rows + n_spec - seqlen_q
+    assert_close_to_reference(out, lse, q, keys, values, visible)
+
+
+@pytest.mark.parametrize("block_size", [64, 128])
+@pytest.mark.parametrize("seqlen_q", [1, 16, 200])
+def test_speculative_zero_copy_equals_attention_over_union(seqlen_q, block_size):
+    g = torch.Generator(device="cuda").manual_seed(seqlen_q * block_size)
+    seqlen_k = 5000
+    q, k, v = random_qkv(2, seqlen_q, seqlen_k, 8, 2, 128, torch.bfloat16, generator=g)
+    n_blocks = -(-seqlen_k // block_size)
+    spec, missed = missed_and_spec(n_blocks, 4, random.Random(block_size))
+    as_table = lambda blocks: torch.tensor(blocks, dtype=torch.int32, device="cuda")
+    out, lse = fas.flash_attn_speculative_sparse_zero_copy(q, k, v, as_table(spec), as_table(missed), block_size=block_size)
+    visible = torch.zeros(seqlen_q, seqlen_k, dtype=torch.bool, device="cuda")
+    visible[:, block_positions(missed, block_size, seqlen_k).cuda()] = True
+    spec_pos = block_positions(spec, block_size, seqlen_k).cuda()
+    rows = torch.arange(seqlen_q, device="cuda")[:, None]
+    visible[:, spec_pos] = spec_pos[None, :] <= rows + seqlen_k - seqlen_q
+    assert_close_to_reference(out, lse, q, k, v, visible)
+
+
+@pytest.mark.parametrize("groups", [2, 3, 8])
+def test_partials_and_combine_equal_one_pass(groups):
+    g = torch.Generator(device="cuda").manual_seed(groups)
+    block_size, seqlen_k = 64, 4000
+    q, k, v = random_qkv(2, 16, seqlen_k, 8, 2, 128, torch.bfloat16, generator=g)
+    n_blocks = -(-seqlen_k // block_size)
+    blocks = random.Random(groups).sample(range(n_blocks), 30)
+    parts = [blocks[i::groups] for i in range(groups)]
+    tables = [torch.tensor(p, dtype=torch.int32, device="cuda") for p in parts]
+    out_partials, lse_partials = fas.flash_attn_sparse_partials(q, k, v, tables, block_size=block_size)
+    poison_allocator(((2, 16, 8, 128), torch.bfloat16), ((2, 8, 16), torch.float32))
+    out, lse = fas.flash_attn_combine(out_partials, lse_partials, out_dtype=torch.bfloat16)
+    one_out, one_lse = fas.flash_attn_with_sparse_block_table(q, k, v, torch.cat(tables), block_size=block_size)
+    # Each partial against its own reference, then the merge against the one pass and the oracle.
+    for p, (o, l) in zip(parts, zip(out_partials, lse_partials)):
+        vis = torch.zeros(16, seqlen_k, dtype=torch.bool, device="cuda")
+        vis[:, block_positions(p, block_size, seqlen_k).cuda()] = True
+        assert_close_to_reference(o.transpose(1, 2), l, q, k, v, vis)
+    vis = torch.zeros(16, seqlen_k, dtype=torch.bool, device="cuda")
+    vis[:, block_positions(blocks, block_size, seqlen_k).cuda()] = True
+    assert_close_to_reference(out, lse, q, k, v, vis)
+    assert max_err(out, one_out) <= 2e-2 and max_err(lse, one_lse) <= 1e-4
+
+
+def test_combine_kernel_matches_reference_combine_with_empty_partials():
+    g = torch.Generator(device="cuda").manual_seed(1)
+    slots, batch, heads, seqlen_q, head_dim = 5, 2, 4, 16, 128
+    out_p = torch.randn(slots, batch, heads, seqlen_q, head_dim, generator=g, device="cuda")
+    lse_p = torch.randn(slots, batch, heads, seqlen_q, generator=g, device="cuda") * 3
+    lse_p[1] = float("-inf")          # one empty partial everywhere
+    lse_p[:, 0, 0, 3] = float("-inf")  # one row with no keys at all
+    out_p[:, 0, 0, 3] = 0
+    out, lse = fas.flash_attn_combine(out_p, lse_p, out_dtype=torch.float16)
+    ref_out, ref_lse = combine_ref(out_p.transpose(2, 3).double(), lse_p.double())
+    assert max_err(out, ref_out) <= 2e-3
+    assert max_err(lse, ref_lse) <= 1e-5
+    assert torch.all(out[0, 3, 0] == 0) and lse[0, 0, 3] == float("-inf")
+
+
+def test_torch_compile_fullgraph_matches_eager():
+    g = torch.Generator(device="cuda").manual_seed(2)
+    q, k, v = random_qkv(2, 16, 3000, 8, 2, 128, torch.bfloat16, generator=g)
+    table = torch.tensor([7, 1, 20, 4], dtype=torch.int32, device="cuda")
+    spec_table = torch.tensor([21, 22, 23], dtype=torch.int32, device="cuda")
+
+    def attend(q, k, v, table, spec_table):
+        out, lse = fas.flash_attn_with_sparse_block_table(q, k, v, table)
+        spec_out, spec_lse = fas.flash_attn_speculative_sparse_zero_copy(q, k, v, spec_table, table)
+        parts = fas.flash_attn_sparse_partials(q, k, v, [table, spec_table])
+        merged, merged_lse = fas.flash_attn_combine(*parts)
+        return out.float() + spec_out.float() + merged.float(), lse + spec_lse + merged_lse
+
+    eager = attend(q, k, v, table, spec_table)
+    compiled = torch.compile(attend, fullgraph=True)(q, k, v, table, spec_table)
+    assert max_err(eager[0], compiled[0]) <= 1e-6 and max_err(eager[1], compiled[1]) <= 1e-6
+
+
+# ---- dense regression on the patched build ----
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("seqlen_q,seqlen_k", [(1, 4000), (128, 1000), (1000, 1000), (77, 3001)])
+def test_dense_flash_attn_func_unchanged(seqlen_q, seqlen_k, head_dim, dtype, causal):
+    from flash_attn import flash_attn_func
+    g = torch.Generator(device="cuda").manual_seed(seqlen_q + seqlen_k)
+    q, k, v = random_qkv(2, seqlen_q, seqlen_k, 8, 2, head_dim, dtype, generator=g)
+    out, lse, _ = flash_attn_func(q, k, v, causal=causal, return_attn_probs=True)
+    visible = torch.ones(seqlen_q, seqlen_k, dtype=torch.bool, device="cuda")
+    if causal:
+        visible = torch.arange(seqlen_k, device="cuda")[None] <= torch.arange(seqlen_q, device="cuda")[:, None] + seqlen_k - seqlen_q
+    ref_out, _ = attention_ref(q, k, v, visible, dtype=torch.float32)
+    low_out, _ = attention_ref(q, k, v, visible, dtype=dtype)
+    assert max_err(out, ref_out) <= 2 * max_err(low_out, ref_out) + 1e-5
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_dense_flash_attn_varlen_func_unchanged(head_dim, causal):
+    from flash_attn import flash_attn_varlen_func
+    g = torch.Generator(device="cuda").manual_seed(head_dim)
+    seqlens = [(5, 300), (200, 200), (1, 1000)]
+    qs, ks, vs = zip(*[random_qkv(1, sq, sk, 8, 2, head_dim, torch.bfloat16, generator=g) for sq, sk in seqlens])
+    cu_q = torch.tensor([0] + list(torch.tensor([s[0] for s in seqlens]).cumsum(0)), dtype=torch.int32, device="cuda")
+    cu_k = torch.tensor([0] + list(torch.tensor([s[1] for s in seqlens]).cumsum(0)), dtype=torch.int32, device="cuda")
+    out = flash_attn_varlen_func(torch.cat([x[0] for x in qs]), torch.cat([x[0] for x in ks]), torch.cat([x[0] for x in vs]),
+                                 cu_q, cu_k, max(s[0] for s in seqlens), max(s[1] for s in seqlens), causal=causal)
+    for i, (sq, sk) in enumerate(seqlens):
+        visible = torch.ones(sq, sk, dtype=torch.bool, device="cuda")
+        if causal:
+            visible = torch.arange(sk, device="cuda")[None] <= torch.arange(sq, device="cuda")[:, None] + sk - sq
+        ref_out, _ = attention_ref(qs[i], ks[i], vs[i], visible, dtype=torch.float32)
+        low_out, _ = attention_ref(qs[i], ks[i], vs[i], visible, dtype=torch.bfloat16)
+        got = out[cu_q[i]:cu_q[i + 1]].unsqueeze(0)
+        assert max_err(got, ref_out) <= 2 * max_err(low_out, ref_out) + 1e-5

@@ -1,0 +1,123 @@
+"""Bad input is refused with an error naming the argument, before any kernel runs.
+
+These run on CPU tensors: every check except "q must be on a CUDA device" comes first, and the
+kernels are never reached (the custom ops have no CPU implementation, so reaching one would fail
+differently)."""
+
+import pytest
+import torch
+
+import flash_attn_sparse as fas
+from flash_attn_sparse import SparseBlocks, SparseInputError
+
+pytestmark = pytest.mark.stage5
+
+B, SQ, SK, H, HK, D, BS = 2, 16, 1000, 8, 2, 64, 128
+N_BLOCKS = -(-SK // BS)
+
+
+def qkv(dtype=torch.bfloat16, batch=B, seqlen_q=SQ, seqlen_k=SK, heads=H, heads_k=HK, dim=D):
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(batch, seqlen_q, heads, dim, generator=g).to(dtype)
+    k = torch.randn(batch, seqlen_k, heads_k, dim, generator=g).to(dtype)
+    return q, k, torch.randn_like(k)
+
+
+def table(*blocks, dtype=torch.int32):
+    return torch.tensor(blocks, dtype=dtype)
+
+
+def lists(count=3, batch=B, heads=HK, m_blocks=1, n=4, block_size=BS, q_block_size=None):
+    cnt = torch.full((batch, heads, m_blocks), count, dtype=torch.int32)
+    idx = torch.arange(n, dtype=torch.int32).expand(batch, heads, m_blocks, n).contiguous()
+    return SparseBlocks(cnt, idx, block_size=block_size, q_block_size=q_block_size)
+
+
+def call(q=None, k=None, v=None, blocks=None, **kwargs):
+    dq, dk, dv = qkv()
+    q, k, v = (dq if q is None else q), (dk if k is None else k), (dv if v is None else v)
+    return fas.flash_attn_with_sparse_block_table(q, k, v, table(0, 2, 5) if blocks is None else blocks, **kwargs)
+
+
+def full_check(blocks, causal=False, **shapes):
+    q, k, v = qkv(**shapes)
+    return fas.flash_attn_with_sparse_block_table(q, k, v, blocks, causal=causal, validate="full")
+
+
+BAD_CALLS = {
+    "q dtype float32": (lambda: call(q=qkv()[0].float()), "q"),
+    "k dtype differs": (lambda: call(k=qkv(torch.float16)[1]), "k"),
+    "q not 4-D": (lambda: call(q=qkv()[0][0]), "q"),
+    "v shape differs from k": (lambda: call(v=qkv(seqlen_k=SK + 1)[2]), "v"),
+    "head_dim not a multiple of 8": (lambda: call(*qkv(dim=60)), "q"),
+    "head_dim above 256": (lambda: call(*qkv(dim=264)), "q"),
+    "heads_k does not divide heads": (lambda: call(*qkv(heads=6, heads_k=4)), "k"),
+    "k batch differs": (lambda: call(k=qkv(batch=3)[1], v=qkv(batch=3)[2]), "k"),
+    "table dtype int64": (lambda: call(blocks=table(0, 1, dtype=torch.int64)), "sparse_block_table"),
+    "table 2-D": (lambda: call(blocks=table(0, 1).view(1, 2)), "sparse_block_table"),
+    "table not a tensor": (lambda: call(blocks=[0, 1]), "sparse_block_table"),
+    "block_size 100": (lambda: call(block_size=100), "block_size"),
+    "block_size 512": (lambda: call(block_size=512), "block_size"),
+    "num_splits negative": (lambda: call(num_splits=-1), "num_splits"),
+    "num_splits above 128": (lambda: call(num_splits=129), "num_splits"),
+    "softmax_scale nan": (lambda: call(softmax_scale=float("nan")), "softmax_scale"),
+    "causal not a bool": (lambda: call(causal="yes"), "causal"),
+    "lists batch extent": (lambda: call(blocks=lists(batch=3)), "full_cnt"),
+    "lists head extent 3": (lambda: call(blocks=lists(heads=3)), "full_cnt"),
+    "lists too few query tiles": (lambda: call(blocks=lists(q_block_size=64, m_blocks=1), q=qkv(seqlen_q=200)[0]), "full_cnt"),
+    "q_block_size not a multiple of 64": (lambda: call(blocks=lists(q_block_size=100)), "q_block_size"),
+    "idx int64": (lambda: call(blocks=SparseBlocks(lists().full_cnt, lists().full_idx.long())), "full_idx"),
+    "idx last dim not contiguous": (lambda: call(blocks=SparseBlocks(lists().full_cnt, lists(n=4).full_idx.transpose(2, 3))), "full_idx"),
+    "mask lists without counts": (lambda: call(blocks=SparseBlocks(lists().full_cnt, lists().full_idx, mask_idx=lists().full_idx)), "mask_cnt"),
+    "mask lists of another shape": (lambda: call(blocks=SparseBlocks(lists().full_cnt, lists().full_idx, lists(heads=1).full_cnt, lists(heads=1).full_idx)), "mask_cnt"),
+    "varlen layout for batched call": (lambda: call(blocks=SparseBlocks(torch.zeros(2, 3, dtype=torch.int32), torch.zeros(2, 9, dtype=torch.int32),
+                                                                       cu_total_m_blocks=torch.zeros(3, dtype=torch.int32),
+                                                                       cu_block_idx_offsets=torch.zeros(3, dtype=torch.int32))), "blocks"),
+    "count above the row (full check)": (lambda: full_check(lists(count=5, n=4)), "full_cnt"),
+    "negative count (full check)": (lambda: full_check(lists(count=-1)), "full_cnt"),
+    "block id past the sequence (full check)": (lambda: full_check(SparseBlocks.from_block_table(table(0, N_BLOCKS), BS, B)), "full_idx"),
+    "negative block id (full check)": (lambda: full_check(SparseBlocks.from_block_table(table(-1, 2), BS, B)), "full_idx"),
+    "duplicate block id (full check)": (lambda: full_check(SparseBlocks.from_block_table(table(3, 1, 3), BS, B)), "full_idx"),
+    "full block not historical when causal (full check)": (lambda: full_check(SparseBlocks.from_block_table(table(0, N_BLOCKS - 1), BS, B), causal=True), "full_idx"),
+    "combine: partials not float32": (lambda: fas.flash_attn_combine(torch.zeros(2, 1, 1, 4, 64, dtype=torch.bfloat16), torch.zeros(2, 1, 1, 4)), "out_partials"),
+    "combine: lse shape": (lambda: fas.flash_attn_combine(torch.zeros(2, 1, 1, 4, 64), torch.zeros(2, 1, 1, 5)), "lse_partials"),
+    "partials: no groups": (lambda: fas.flash_attn_sparse_partials(*qkv(), []), "block_groups"),
+    "speculative: k_spec not 4-D": (lambda: fas.flash_attn_speculative_sparse(*qkv()[:1], qkv()[1][0], qkv()[2][0], *qkv()[1:], table(0)), "k_spec"),
+    "zero-copy: spec table int64": (lambda: fas.flash_attn_speculative_sparse_zero_copy(*qkv(), table(7, dtype=torch.int64), table(0)), "spec_block_table"),
+    "q on the CPU": (lambda: call(), "q"),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_CALLS))
+def test_bad_input_is_refused_naming_the_argument(case):
+    thunk, argument = BAD_CALLS[case]
+    with pytest.raises(SparseInputError) as raised:
+        thunk()
+    assert str(raised.value).startswith(f"{argument}:"), str(raised.value)
+
+
+def test_enough_distinct_bad_inputs():
+    assert len(BAD_CALLS) >= 25
+
+
+def test_full_validation_from_the_environment(monkeypatch):
+    monkeypatch.setenv("FLASH_ATTN_SPARSE_VALIDATE", "full")
+    q, k, v = qkv()
+    with pytest.raises(SparseInputError, match="^full_idx:.*listed twice"):
+        fas.flash_attn_with_sparse_block_table(q, k, v, table(1, 1))
+
+
+def test_cheap_validation_does_not_read_the_lists(monkeypatch):
+    """Without the exhaustive check, a content error is not looked for (no host sync); the call
+    only stops at the device check."""
+    monkeypatch.delenv("FLASH_ATTN_SPARSE_VALIDATE", raising=False)
+    q, k, v = qkv()
+    with pytest.raises(SparseInputError, match="^q: must be on a CUDA device"):
+        fas.flash_attn_with_sparse_block_table(q, k, v, table(1, 1))
+
+
+def test_valid_lists_pass_full_validation_before_the_device_check():
+    q, k, v = qkv()
+    causal_ok = SparseBlocks.from_block_table(table(0, 2, 5), BS, B)
+    with pytest.raises(SparseInputError, match="^q: must be on a CUDA device"):
+        fas.flash_attn_with_sparse_block_table(q, k, v, causal_ok, causal=True, validate="full")
