@@ -1,0 +1,111 @@
+"""Command line: `python -m forktools <command> [args]` (PYTHONPATH=python); nox wraps each."""
+
+from __future__ import annotations
+
+import argparse
+import subprocess
+import sys
+from pathlib import Path
+
+from forktools import ToolError, build, series, stages, upstream
+from forktools.layout import Layout
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+
+
+def _upstream(layout: Layout, args: argparse.Namespace) -> int:
+    for name, tree in args.trees:
+        upstream.record_tree(layout, name, tree)
+    upstream.fetch(layout, offline=args.offline)
+    return 0
+
+
+def _apply(layout: Layout, args: argparse.Namespace) -> int:
+    series.apply(layout, force=args.force, use_git=False if args.no_git else None)
+    return 0
+
+
+def _export(layout: Layout, args: argparse.Namespace) -> int:
+    series.export(layout)
+    return 0
+
+
+def _check_patches(layout: Layout, args: argparse.Namespace) -> int:
+    series.check(layout)
+    return 0
+
+
+def _build(layout: Layout, args: argparse.Namespace) -> int:
+    build.build(layout, profile=args.profile, archs=args.archs, jobs=args.jobs, reuse=args.reuse)
+    return 0
+
+
+def _review(layout: Layout, args: argparse.Namespace) -> int:
+    return stages.review(layout, args.stage)
+
+
+def _test(layout: Layout, args: argparse.Namespace) -> int:
+    return subprocess.call([sys.executable, "-m", "pytest", *args.pytest_args], cwd=layout.root)
+
+
+def _name_and_path(text: str) -> tuple[str, str]:
+    name, equals, path = text.partition("=")
+    if not (name and equals and path):
+        raise argparse.ArgumentTypeError(f"expected NAME=PATH, got {text!r}")
+    return name, path
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m forktools", description=__doc__)
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    command = commands.add_parser("upstream", help="fetch and verify the pinned upstream sdists")
+    command.add_argument("--offline", action="store_true", help="never download; only verify the cache")
+    command.add_argument("--tree", dest="trees", action="append", default=[], type=_name_and_path,
+                         metavar="NAME=PATH", help="use this source tree of the pinned release instead")
+    command.set_defaults(run=_upstream)
+
+    command = commands.add_parser("apply", help="build build/trees/<name> from the upstreams and patches/")
+    command.add_argument("--force", action="store_true", help="discard existing trees, whatever they hold")
+    command.add_argument("--no-git", action="store_true", help="plain patched copies, no git repos")
+    command.set_defaults(run=_apply)
+
+    command = commands.add_parser("export", help="write patches/ from the commits in build/trees")
+    command.set_defaults(run=_export)
+
+    command = commands.add_parser("check-patches", help="check patches/ against the lock and the trees")
+    command.set_defaults(run=_check_patches)
+
+    command = commands.add_parser("build", help="build wheels into dist/")
+    command.add_argument("--profile", choices=["dev", "full"], default="dev")
+    command.add_argument("--arch", dest="archs", action="append", metavar="SM",
+                         help="CUDA compute capability, e.g. 90; repeatable")
+    command.add_argument("--jobs", type=int, metavar="N", help="parallel compile jobs")
+    command.add_argument("--reuse", action="store_true", help="reuse existing trees and build outputs")
+    command.set_defaults(run=_build)
+
+    command = commands.add_parser("review", help="show a stage's notes and patches, run its tests")
+    command.add_argument("stage", type=int, metavar="N")
+    command.set_defaults(run=_review)
+
+    # No options of its own, not even -h: everything after `test` goes to pytest.
+    command = commands.add_parser("test", help="run pytest from the repo root", add_help=False)
+    command.set_defaults(run=_test)
+    return parser
+
+
+def main(argv: list[str] | None = None, root: Path = REPO_ROOT) -> int:
+    parser = _parser()
+    args, extra = parser.parse_known_args(argv)
+    if extra and args.command != "test":
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
+    args.pytest_args = extra
+    try:
+        return args.run(Layout.at(root), args)
+    except ToolError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
