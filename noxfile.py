@@ -1,0 +1,66 @@
+"""Developer entry points; each session is a thin call into python/forktools.
+
+Sessions run in the invoking environment (no virtualenvs are made), which must have torch
+installed: fetching the flash-attn sdist runs its setup.py, and the project's tests import torch.
+`nox -l` lists the sessions; pass arguments after `--`, e.g. `nox -s apply -- --force`.
+"""
+
+import sys
+from pathlib import Path
+
+import nox
+
+sys.path.insert(0, str(Path(__file__).parent / "python"))
+
+from forktools.__main__ import main  # noqa: E402
+
+nox.options.default_venv_backend = "none"
+nox.options.sessions = ["test"]
+
+
+def _forktools(session: nox.Session, command: str) -> None:
+    code = main([command, *session.posargs])
+    if code:
+        session.error(f"forktools {command} failed (exit {code})")
+
+
+@nox.session
+def upstream(session: nox.Session) -> None:
+    """Fetch and verify the pinned upstream sdists ([--offline] [--tree NAME=PATH])."""
+    _forktools(session, "upstream")
+
+
+@nox.session
+def apply(session: nox.Session) -> None:
+    """Build build/trees/<name> from the pinned upstreams and patches/ ([--force] [--no-git])."""
+    _forktools(session, "apply")
+
+
+@nox.session
+def export(session: nox.Session) -> None:
+    """Write patches/ from the commits in build/trees."""
+    _forktools(session, "export")
+
+
+@nox.session(name="check-patches")
+def check_patches(session: nox.Session) -> None:
+    """Check patches/ against the lock file, a fresh apply and the trees in build/trees."""
+    _forktools(session, "check-patches")
+
+
+@nox.session
+def build(session: nox.Session) -> None:
+    """Build wheels into dist/ ([--profile dev|full] [--arch 90] [--jobs N] [--reuse])."""
+    _forktools(session, "build")
+
+
+@nox.session
+def test(session: nox.Session) -> None:
+    """Run pytest from the repo root (pytest arguments after --)."""
+    _forktools(session, "test")
+
+
+@nox.session
+def review(session: nox.Session) -> None:
+    """Review a stage: its notes, its patches' diffstat, its tests (nox -s review -- N)."""
+    _forktools(session, "review")
