@@ -10,6 +10,7 @@ import json
 import os
 import stat
 import subprocess
+import sys
 import tarfile
 import tempfile
 from pathlib import Path
@@ -18,14 +19,17 @@ import pytest
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
-from forktools import ToolError, patchfile, series, stages, upstream
-from forktools.__main__ import main
-from forktools.layout import Layout
-from forktools.patchfile import PatchError
+REPO = Path(__file__).resolve().parents[1]
+# Appended, not prepended: an installed flash_attn_sparse wheel must keep shadowing
+# python/flash_attn_sparse for the other test modules (see conftest.py).
+sys.path.append(str(REPO / "python"))
+
+from forktools import ToolError, patchfile, series, stages, upstream  # noqa: E402
+from forktools.__main__ import main  # noqa: E402
+from forktools.layout import Layout  # noqa: E402
+from forktools.patchfile import PatchError  # noqa: E402
 
 pytestmark = pytest.mark.tooling
-
-REPO = Path(__file__).resolve().parents[1]
 CORE = "".join(f"def function_{n}():\n    return {n}\n\n" for n in range(20))
 FLASH_FILES = {
     "PKG-INFO": "Metadata-Version: 2.1\nName: flash_attn\nVersion: 1.0\n",

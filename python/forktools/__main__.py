@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import subprocess
 import sys
 from pathlib import Path
 
@@ -45,7 +44,7 @@ def _review(layout: Layout, args: argparse.Namespace) -> int:
 
 
 def _test(layout: Layout, args: argparse.Namespace) -> int:
-    return subprocess.call([sys.executable, "-m", "pytest", *args.pytest_args], cwd=layout.root)
+    return stages.run_pytest(layout, args.pytest_args)
 
 
 def _name_and_path(text: str) -> tuple[str, str]:

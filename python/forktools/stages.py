@@ -1,7 +1,9 @@
-"""Stage review: the stage's notes, the diffstat of its patches, and its tests."""
+"""Stage review (the stage's notes, the diffstat of its patches, its tests) and the pytest run
+behind it and `forktools test`."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 
@@ -21,4 +23,15 @@ def review(layout: Layout, stage: int) -> int:
         print(f"\n{entry.path}: {patch.subject}")
         print(patch.stat.decode(errors="replace"), end="")
     print(f"\n== pytest -m stage{stage}", flush=True)
-    return subprocess.call([sys.executable, "-m", "pytest", "-m", f"stage{stage}"], cwd=layout.root)
+    return run_pytest(layout, ["-m", f"stage{stage}"])
+
+
+def run_pytest(layout: Layout, args: list[str]) -> int:
+    """Run pytest from the repo root and return its exit code. python/ is taken off PYTHONPATH,
+    where running forktools put it, so an installed flash_attn_sparse wheel is what the tests
+    see when there is one (tests/conftest.py falls back to python/ otherwise)."""
+    source = os.path.realpath(layout.root / "python")
+    kept = [path for path in os.environ.get("PYTHONPATH", "").split(os.pathsep)
+            if path and os.path.realpath(path) != source]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(kept)}
+    return subprocess.call([sys.executable, "-m", "pytest", *args], cwd=layout.root, env=env)
