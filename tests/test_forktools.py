@@ -8,6 +8,7 @@ import importlib.util
 import io
 import json
 import os
+import shutil
 import stat
 import subprocess
 import sys
@@ -359,6 +360,29 @@ def test_apply_refuses_to_discard_unexported_work_unless_forced(exported: Layout
     assert "say more" in git(exported.trees / "demo", "log", "-1")
     series.apply(exported, force=True)
     assert "say more" not in git(exported.trees / "demo", "log", "-1")
+
+
+def test_apply_refuses_before_touching_any_tree(exported: Layout):
+    commit(exported.trees / "demo", "Readme: say more", 4, {"README.md": "# demo\n\nMore.\n"})
+    # An excluded build output is no work to keep, but a rebuild of the tree would delete it.
+    output = exported.trees / "flash-attn" / "build" / "kernel.o"
+    output.parent.mkdir()
+    output.write_text("compiled\n")
+    with pytest.raises(ToolError, match="demo holds work"):
+        series.apply(exported)
+    assert output.exists()
+
+
+def test_export_keeps_the_committed_patches_of_an_upstream_without_a_tree(exported: Layout):
+    before = patch_files(exported)
+    shutil.rmtree(exported.trees / "flash-attn")
+    commit(exported.trees / "demo", "Readme: say more", 4, {"README.md": "# demo\n\nMore.\n"})
+    series.export(exported)
+    after = patch_files(exported)
+    assert after["flash-attn/0001-kernel-tune-line-5.patch"] == before["flash-attn/0001-kernel-tune-line-5.patch"]
+    assert after.keys() - before.keys() == {"demo/0004-readme-say-more.patch"}
+    assert "flash-attn/0001-kernel-tune-line-5.patch stage=3\n" in after["series"].decode()
+    series.check(exported)
 
 
 def test_overlay_is_laid_in_as_excluded_symlinks(exported: Layout):

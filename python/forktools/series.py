@@ -67,10 +67,14 @@ def render_series(pins: list[Pin], entries: list[Entry]) -> bytes:
 
 
 def read_patch(layout: Layout, entry: Entry) -> Patch:
+    return patchfile.parse(_patch_bytes(layout, entry), entry.path)
+
+
+def _patch_bytes(layout: Layout, entry: Entry) -> bytes:
     path = layout.patches / entry.path
     if not path.exists():
         raise ToolError(f"the series lists {entry.path}, but patches/{entry.path} does not exist")
-    return patchfile.parse(path.read_bytes(), entry.path)
+    return path.read_bytes()
 
 
 def apply(layout: Layout, force: bool = False, use_git: bool | None = None) -> None:
@@ -88,18 +92,22 @@ def apply(layout: Layout, force: bool = False, use_git: bool | None = None) -> N
     problems = _base_problems(series, pins)
     if problems:
         raise ToolError(_bullets(problems))
+    trees = {pin.name: layout.trees / pin.name for pin in pins}
+    if not force:  # refuse before any tree is touched
+        for pin in pins:
+            _refuse_to_discard_work(layout, pin, trees[pin.name])
     for pin in pins:
-        tree = layout.trees / pin.name
-        _clear(layout, pin, tree, force)
+        if trees[pin.name].exists():
+            shutil.rmtree(trees[pin.name])  # does not follow the overlay's symlinks into the repo
         entries = [entry for entry in series.entries if entry.upstream == pin.name]
-        _build_tree(layout, pin, tree, entries, use_git)
+        _build_tree(layout, pin, trees[pin.name], entries, use_git)
 
 
 def export(layout: Layout) -> None:
     """Write patches/<name>/NNNN-<slug>.patch for the commits upstream..HEAD of every tree, delete
-    stale patch files and rewrite patches/series. Refuses (writing nothing) while any tree has
-    uncommitted changes or a commit that cannot become a patch. Exporting twice gives the same
-    bytes."""
+    stale patch files and rewrite patches/series; an upstream without a tree keeps its committed
+    patches. Refuses (writing nothing) while any tree has uncommitted changes or a commit that
+    cannot become a patch. Exporting twice gives the same bytes."""
     pins = upstream.load_pins(layout.lock)
     exported = _exported_files(layout, pins)
     for change, path in _differences(exported, _committed_files(layout, pins)):
@@ -127,7 +135,7 @@ def check(layout: Layout) -> None:
         problems += _reapply_problems(layout, pins, committed)
     for pin in pins:
         tree = layout.trees / pin.name
-        if tree.exists() or tree.is_symlink():
+        if tree.exists():
             problems += _tree_problems(pin, tree, committed, check_base=True)
     if problems:
         raise ToolError("check-patches: FAILED\n" + _bullets(problems))
@@ -161,16 +169,13 @@ def _describe(bases: list[tuple[str, str, str]]) -> str:
     return "; ".join(f"{name} {version} sha256:{sha256}" for name, version, sha256 in bases) or "nothing"
 
 
-def _clear(layout: Layout, pin: Pin, tree: Path, force: bool) -> None:
-    if not (tree.exists() or tree.is_symlink()):
+def _refuse_to_discard_work(layout: Layout, pin: Pin, tree: Path) -> None:
+    if not tree.exists():
         return
-    if not force:
-        committed = _committed_files(layout, [pin])
-        unsaved = _tree_problems(pin, tree, committed, check_base=False)
-        if unsaved:
-            raise ToolError(f"{tree} holds work that is not in patches/:\n{_bullets(unsaved)}\n"
-                            "Export it (`nox -s export`) or pass --force to discard it.")
-    shutil.rmtree(tree)  # does not follow the overlay's symlinks into the repo
+    unsaved = _tree_problems(pin, tree, _committed_files(layout, [pin]), check_base=False)
+    if unsaved:
+        raise ToolError(f"{tree} holds work that is not in patches/:\n{_bullets(unsaved)}\n"
+                        "Export it (`nox -s export`) or pass --force to discard it.")
 
 
 def _build_tree(layout: Layout, pin: Pin, tree: Path, entries: list[Entry], use_git: bool) -> None:
@@ -234,13 +239,19 @@ def _patch_of(tree: Path, commit: gittree.Commit) -> Patch:
 
 
 def _exported_files(layout: Layout, pins: list[Pin]) -> dict[str, bytes]:
-    """patches/ as exporting the trees would write it: path under patches/ → content."""
+    """patches/ as exporting the trees would write it: path under patches/ → content. An
+    upstream without a tree keeps its committed patches."""
+    committed = read_series(layout.series).entries
     files, entries = {}, []
     for pin in pins:
         tree = layout.trees / pin.name
-        if not tree.exists():
-            raise ToolError(f"{tree} does not exist; run `python -m forktools apply` first")
-        for entry, data in _export_tree(pin, tree):
+        if tree.exists():
+            exported = _export_tree(pin, tree)
+        else:
+            print(f"{pin.name}: no tree at {tree}; keeping its committed patches")
+            exported = [(entry, _patch_bytes(layout, entry))
+                        for entry in committed if entry.upstream == pin.name]
+        for entry, data in exported:
             entries.append(entry)
             files[entry.path] = data
     files["series"] = render_series(pins, entries)
