@@ -35,7 +35,8 @@ def _check_patches(layout: Layout, args: argparse.Namespace) -> int:
 
 
 def _build(layout: Layout, args: argparse.Namespace) -> int:
-    build.build(layout, profile=args.profile, archs=args.archs, jobs=args.jobs, reuse=args.reuse)
+    build.build(layout, profile=args.profile, archs=args.archs, jobs=args.jobs, reuse=args.reuse,
+                mutations=args.mutations)
     return 0
 
 
@@ -80,7 +81,9 @@ def _parser() -> argparse.ArgumentParser:
     command.add_argument("--arch", dest="archs", action="append", metavar="SM",
                          help="CUDA compute capability, e.g. 90; repeatable")
     command.add_argument("--jobs", type=int, metavar="N", help="parallel compile jobs")
-    command.add_argument("--reuse", action="store_true", help="reuse existing trees and build outputs")
+    command.add_argument("--reuse", action="store_true", help="return the wheel in dist/ if this exact source was built")
+    command.add_argument("--mutation", dest="mutations", action="append", default=[], type=Path, metavar="PATCH",
+                         help="apply a defect on top, to check that the tests catch it (tests/mutations/)")
     command.set_defaults(run=_build)
 
     command = commands.add_parser("review", help="show a stage's notes and patches, run its tests")

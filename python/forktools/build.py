@@ -1,21 +1,147 @@
-"""Build wheels of the patched upstreams from the applied trees (build/trees/<name>) into dist/.
+"""Build the patched flash_attn wheel into dist/.
 
-Not written yet: only the entry point the CLI and nox call is fixed here.
+The wheel is compiled from a plain patched copy of flash-attn (the committed series plus the
+overlay, as `apply --no-git` lays it) kept in build/wheel/flash-attn. Each build re-lays that copy
+file by file, rewriting only files whose content changed, so ninja recompiles only what a change
+touched. The wheel's local version, `+sparse.<hash>.<profile>`, names the exact series, overlay,
+Python package, profile and archs it was built from.
+
+Profiles:
+- dev: head dims 64 and 128, fp16 and bf16, forward only, no dropout/alibi/softcap/local/uneven
+  head dims, one arch (sm_90 unless --arch says otherwise): what the tests need.
+- full: upstream's matrix (all head dims, backward, every feature, sm_80/90/100/120).
 """
 
 from __future__ import annotations
 
+import hashlib
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from forktools import ToolError, overlay, patchfile, series
 from forktools.layout import Layout
+
+UPSTREAM = "flash-attn"
+DEV_FEATURES_OFF = ["BACKWARD", "DROPOUT", "ALIBI", "SOFTCAP", "UNEVEN_K", "LOCAL"]
+DEV_HEAD_DIMS_OFF = [32, 96, 192, 256]
+PROFILES = {
+    "dev": {
+        "archs": ["90"],
+        "env": {**{f"FLASH_ATTENTION_DISABLE_{f}": "TRUE" for f in DEV_FEATURES_OFF},
+                **{f"FLASH_ATTENTION_DISABLE_HDIM{d}": "TRUE" for d in DEV_HEAD_DIMS_OFF}},
+    },
+    "full": {"archs": ["80", "90", "100", "120"], "env": {}},
+}
+SYNCED_LIST = ".forktools-synced"  # files the last re-lay wrote, to drop those that went away
+NINJA_PROGRESS = re.compile(r"^\[(\d+)/(\d+)\]")
 
 
 def build(layout: Layout, profile: str = "dev", archs: list[str] | None = None,
-          jobs: int | None = None, reuse: bool = False) -> None:
-    """Build the wheels of the patched upstreams into layout.root / "dist".
+          jobs: int | None = None, reuse: bool = False, mutations: list[Path] = ()) -> Path:
+    """Build the wheel into layout.root / "dist" and return its path.
 
-    profile: "dev" (a narrow build: few head dims and features, fast to compile) or "full".
-    archs: CUDA compute capabilities to compile for, e.g. ["90"]; None for the profile's default.
-    jobs: parallel compile jobs; None for one per CPU.
-    reuse: build in the existing trees and keep earlier compile outputs instead of re-applying
-        the series and starting clean.
+    profile: "dev" or "full" (see the module docstring). archs: compute capabilities, e.g.
+    ["90"]; None takes the profile's. jobs: parallel compile jobs, default one per CPU.
+    reuse: if dist/ already holds the wheel of this exact series, profile and archs, return it
+    without building.
+    mutations: diffs applied on top of the patched tree, to check that the tests catch the
+    defect they plant (tests/mutations/); the version label ends in `.mutant`.
     """
-    raise NotImplementedError("forktools build is not written yet")
+    if profile not in PROFILES:
+        raise ToolError(f"unknown profile {profile!r}; choose one of {', '.join(PROFILES)}")
+    archs = archs or PROFILES[profile]["archs"]
+    label = f"sparse.{source_hash(layout, profile, archs, mutations)}.{profile}" + (".mutant" if mutations else "")
+    dist = layout.root / "dist"
+    if reuse:
+        existing = sorted(dist.glob(f"flash_attn-*+{label}-*.whl"))
+        if existing:
+            print(f"build: reusing {existing[-1].relative_to(layout.root)}")
+            return existing[-1]
+    stage = layout.root / "build" / "wheel" / UPSTREAM
+    relay_tree(layout, stage)
+    for mutation in mutations:
+        patchfile.apply_diff(patchfile.split_description(Path(mutation).read_bytes()), stage, str(mutation))
+        print(f"build: applied mutation {mutation}")
+    env = dict(os.environ)
+    env.update(PROFILES[profile]["env"])
+    env.update({
+        "FLASH_ATTENTION_FORCE_BUILD": "TRUE",  # else setup.py downloads upstream's wheel
+        "FLASH_ATTN_CUDA_ARCHS": ";".join(archs),
+        "FLASH_ATTN_LOCAL_VERSION": label,
+        "MAX_JOBS": str(jobs or os.cpu_count() or 1),
+        "NVCC_THREADS": env.get("NVCC_THREADS", "1"),
+    })
+    dist.mkdir(exist_ok=True)
+    log_path = layout.root / "build" / "logs" / f"build-{profile}.log"
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    command = [sys.executable, "-m", "pip", "wheel", "--no-build-isolation", "--no-deps", "--no-index", "-v",
+               "-w", str(dist), "."]
+    print(f"build: {profile} profile, archs {','.join(archs)}, {env['MAX_JOBS']} jobs, version label {label}")
+    start = time.monotonic()
+    returncode = _run_with_progress(command, stage, env, log_path)
+    elapsed = time.monotonic() - start
+    if returncode:
+        raise ToolError(f"the build failed after {elapsed:.0f} s (exit {returncode}); see {log_path}")
+    wheels = sorted(dist.glob(f"flash_attn-*+{label}-*.whl"))
+    if not wheels:
+        raise ToolError(f"the build finished but no wheel with version label {label} is in {dist}")
+    size_mb = wheels[-1].stat().st_size / 1e6
+    print(f"build: {wheels[-1].relative_to(layout.root)} ({size_mb:.1f} MB) in {elapsed:.0f} s")
+    return wheels[-1]
+
+
+def source_hash(layout: Layout, profile: str, archs: list[str], mutations: list[Path] = ()) -> str:
+    """A short hash of everything the wheel is built from in this repo, and of how."""
+    digest = hashlib.sha256(f"{profile} {','.join(archs)}\n".encode())
+    inputs = [layout.lock, layout.series, *sorted((layout.patches / UPSTREAM).glob("*.patch"))]
+    inputs += [Path(m).resolve() for m in mutations]
+    inputs += [path for _, path in sorted(overlay.sources(layout, UPSTREAM).items())]
+    for path in inputs:
+        files = sorted(p for p in path.rglob("*") if p.is_file() and "__pycache__" not in p.parts) if path.is_dir() else [path]
+        for file in files:
+            digest.update(os.path.relpath(file, layout.root).encode() + b"\0" + file.read_bytes())
+    return digest.hexdigest()[:10]
+
+
+def relay_tree(layout: Layout, stage: Path) -> None:
+    """Make `stage` hold exactly the patched tree, touching only files whose content changed."""
+    with tempfile.TemporaryDirectory(prefix="forktools-build-") as scratch:
+        fresh = Path(scratch) / UPSTREAM
+        series.materialize(layout, UPSTREAM, fresh)
+        wanted = sorted(p.relative_to(fresh).as_posix() for p in fresh.rglob("*") if p.is_file())
+        stage.mkdir(parents=True, exist_ok=True)
+        changed = 0
+        for relative in wanted:
+            source, target = fresh / relative, stage / relative
+            if target.is_file() and target.read_bytes() == source.read_bytes():
+                continue
+            target.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(source, target)  # a new mtime, so ninja sees the change
+            changed += 1
+    synced = stage / SYNCED_LIST
+    previous = set(synced.read_text().splitlines()) if synced.exists() else set()
+    for relative in sorted(previous - set(wanted)):
+        (stage / relative).unlink(missing_ok=True)
+    synced.write_text("\n".join(wanted) + "\n")
+    print(f"build: {stage} has the patched tree ({changed} of {len(wanted)} files rewritten)")
+
+
+def _run_with_progress(command: list[str], cwd: Path, env: dict, log_path: Path) -> int:
+    """Run the build, logging everything and echoing ninja's [n/N] progress and errors."""
+    with open(log_path, "w") as log, subprocess.Popen(command, cwd=cwd, env=env, stdout=subprocess.PIPE,
+                                                      stderr=subprocess.STDOUT, text=True, bufsize=1) as process:
+        for line in process.stdout:
+            log.write(line)
+            progress = NINJA_PROGRESS.match(line)
+            if progress:
+                source = re.search(r"(\S+\.(?:cu|cpp))\b", line)
+                print(f"  [{progress[1]}/{progress[2]}] {Path(source[1]).name if source else ''}", flush=True)
+            elif " error" in line or line.startswith("error") or "Error" in line:
+                print(f"  {line.rstrip()}", flush=True)
+    return process.returncode

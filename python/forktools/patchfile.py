@@ -118,6 +118,14 @@ def split_lines(data: bytes) -> list[bytes]:
     return lines if lines[-1] else lines[:-1]
 
 
+def split_description(data: bytes) -> bytes:
+    """The diff part of a file that starts with free text (a description) and then a git diff."""
+    at = data.find(b"diff --git ")
+    if at < 0:
+        raise PatchError("no `diff --git` section in the file")
+    return data[at:]
+
+
 def parse_diff(diff: bytes, name: str) -> list[FileDiff]:
     lines = split_lines(diff)
     files, at = [], 0

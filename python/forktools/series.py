@@ -103,6 +103,18 @@ def apply(layout: Layout, force: bool = False, use_git: bool | None = None) -> N
         _build_tree(layout, pin, trees[pin.name], entries, use_git)
 
 
+def materialize(layout: Layout, name: str, dest: Path) -> None:
+    """A plain patched copy of upstream `name` (committed series plus overlay, no git) at dest,
+    which must not exist: what a build compiles."""
+    pins = upstream.load_pins(layout.lock)
+    pin = upstream.pin_named(pins, name)
+    series = read_series(layout.series)
+    problems = _base_problems(series, pins)
+    if problems:
+        raise ToolError(_bullets(problems))
+    _build_tree(layout, pin, dest, [entry for entry in series.entries if entry.upstream == name], use_git=False)
+
+
 def export(layout: Layout) -> None:
     """Write patches/<name>/NNNN-<slug>.patch for the commits upstream..HEAD of every tree, delete
     stale patch files and rewrite patches/series; an upstream without a tree keeps its committed

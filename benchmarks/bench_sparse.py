@@ -1,0 +1,205 @@
+"""Sparse attention benchmark: this project's FA-2 sparse path against its peers, on the same
+inputs and the same block lists, in one run on one GPU (DESIGN.md §7).
+
+For every shape it prints ms (median of CUDA-event timings after warm-up), effective TFLOP/s
+(FLOPs of the listed blocks only), effective TB/s (bytes of the listed K/V blocks read once per
+KV head, plus Q and O) and the fraction of the roofline measured in the same run (copy bandwidth,
+bf16 matmul rate). Lists rotate between calls so the listed blocks are not served from L2.
+
+    python benchmarks/bench_sparse.py [--quick] [--json PATH] [--markdown PATH]
+"""
+
+import argparse
+import json
+import math
+import random
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from triton.testing import do_bench
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "python"))
+
+import flash_attn_sparse as fas  # noqa: E402
+from flash_attn_sparse import SparseBlocks  # noqa: E402
+
+BLOCK = 128
+ROTATIONS = 4
+
+
+@dataclass
+class Shape:
+    name: str
+    batch: int
+    seqlen_q: int
+    seqlen_k: int
+    heads: int
+    heads_k: int
+    density: float
+    causal: bool = False
+    head_dim: int = 128
+
+
+@dataclass
+class Row:
+    shape: str
+    density: float
+    method: str
+    ms: float
+    tflops: float
+    tbps: float
+    roofline_fraction: float
+    note: str = ""
+
+
+def measure_roofline():
+    """Copy bandwidth (bytes read + written) and bf16 matmul rate, measured now."""
+    src = torch.empty(2 * 1024 ** 3 // 2, dtype=torch.bfloat16, device="cuda").normal_()
+    dst = torch.empty_like(src)
+    ms = do_bench(lambda: dst.copy_(src), warmup=25, rep=200, return_mode="median")
+    copy_tbps = 2 * src.numel() * 2 / (ms * 1e-3) / 1e12
+    del src, dst
+    a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    ms = do_bench(lambda: a @ b, warmup=25, rep=200, return_mode="median")
+    matmul_tflops = 2 * 8192 ** 3 / (ms * 1e-3) / 1e12
+    return copy_tbps, matmul_tflops
+
+
+def make_lists(shape, rng):
+    """Per-KV-head lists with one query tile: the last block always (the diagonal for causal
+    decode), the rest drawn at the given density. Returns sorted id lists [b][hk]."""
+    n_blocks = shape.seqlen_k // BLOCK
+    keep = max(1, round(n_blocks * shape.density))
+    lists = []
+    for _ in range(shape.batch):
+        per_head = []
+        for _ in range(shape.heads_k):
+            chosen = set(rng.sample(range(n_blocks - 1), keep - 1)) | {n_blocks - 1} if keep < n_blocks else set(range(n_blocks))
+            per_head.append(sorted(chosen))
+        lists.append(per_head)
+    return lists
+
+
+def to_blocks(lists, shape):
+    return SparseBlocks.from_lists([[[l] for l in per_b] for per_b in lists], block_size=BLOCK, device="cuda")
+
+
+def counted_work(shape, lists):
+    """FLOPs of the listed (query, key) pairs and bytes of the listed K/V read once per KV head."""
+    keys = sum(len(l) for per_b in lists for l in per_b) * BLOCK  # over (batch, kv head)
+    group = shape.heads // shape.heads_k
+    flops = 4 * shape.seqlen_q * group * keys * shape.head_dim
+    kv_bytes = 2 * keys * shape.head_dim * 2
+    qo_bytes = 2 * shape.batch * shape.seqlen_q * shape.heads * shape.head_dim * 2
+    return flops, kv_bytes + qo_bytes
+
+
+def flex_block_mask(lists, shape):
+    from torch.nn.attention.flex_attention import BlockMask
+    counts = torch.tensor([[len(l) for l in per_b] for per_b in lists], dtype=torch.int32, device="cuda")
+    width = max(len(l) for per_b in lists for l in per_b)
+    idx = torch.zeros(shape.batch, shape.heads_k, 1, width, dtype=torch.int32, device="cuda")
+    for b, per_b in enumerate(lists):
+        for h, l in enumerate(per_b):
+            idx[b, h, 0, :len(l)] = torch.tensor(l, dtype=torch.int32)
+    group = shape.heads // shape.heads_k
+    counts = counts.repeat_interleave(group, dim=1).unsqueeze(-1)
+    idx = idx.repeat_interleave(group, dim=1)
+    q_block = max(shape.seqlen_q, 16)
+    return BlockMask.from_kv_blocks(torch.zeros_like(counts), idx, counts, idx, BLOCK_SIZE=(q_block, BLOCK),
+                                    seq_lengths=(shape.seqlen_q, shape.seqlen_k))
+
+
+def bench_shape(shape, roofline, rows, methods):
+    copy_tbps, matmul_tflops = roofline
+    rng = random.Random(0)
+    g = torch.Generator(device="cuda").manual_seed(0)
+    q = torch.randn(shape.batch, shape.seqlen_q, shape.heads, shape.head_dim, device="cuda", generator=g).bfloat16()
+    k = torch.randn(shape.batch, shape.seqlen_k, shape.heads_k, shape.head_dim, device="cuda", generator=g).bfloat16()
+    v = torch.randn_like(k)
+    list_sets = [make_lists(shape, rng) for _ in range(ROTATIONS)]
+    flops, nbytes = counted_work(shape, list_sets[0])
+    roof_ms = max(flops / (matmul_tflops * 1e12), nbytes / (copy_tbps * 1e12)) * 1e3
+
+    def add(method, fn, note=""):
+        try:
+            ms = do_bench(fn, warmup=25, rep=100, return_mode="median")
+        except Exception as error:  # a peer that cannot run this shape is reported, not fatal
+            print(f"  {method}: failed: {type(error).__name__}: {str(error)[:200]}", flush=True)
+            return
+        rows.append(Row(shape.name, shape.density, method, ms, flops / (ms * 1e-3) / 1e12, nbytes / (ms * 1e-3) / 1e12,
+                        roof_ms / ms, note))
+        print(f"  {method:>22}: {ms:8.4f} ms  {rows[-1].tflops:7.1f} TFLOP/s  {rows[-1].tbps:6.3f} TB/s  "
+              f"{100 * rows[-1].roofline_fraction:5.1f}% of roofline", flush=True)
+
+    blocks = [to_blocks(lists, shape) for lists in list_sets]
+    turn = [0]
+
+    def ours(num_splits=0):
+        def run():
+            turn[0] = (turn[0] + 1) % ROTATIONS
+            return fas.flash_attn_with_sparse_block_table(q, k, v, blocks[turn[0]], causal=shape.causal, num_splits=num_splits)
+        return run
+
+    if "fa2_sparse" in methods:
+        add("fa2_sparse", ours())
+    if shape.density == 1.0 and "sdpa" in methods:
+        qt, kt, vt = (x.transpose(1, 2) for x in (q, k, v))
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+        for backend, name in ((SDPBackend.FLASH_ATTENTION, "sdpa_flash"), (SDPBackend.CUDNN_ATTENTION, "sdpa_cudnn")):
+            def run(backend=backend):
+                with sdpa_kernel(backend):
+                    return F.scaled_dot_product_attention(qt, kt, vt, is_causal=shape.causal and shape.seqlen_q > 1, enable_gqa=True)
+            add(name, run)
+    if "flex" in methods:
+        from torch.nn.attention.flex_attention import flex_attention
+        flex = torch.compile(flex_attention)
+        masks = [flex_block_mask(lists, shape) for lists in list_sets]
+        qt, kt, vt = (x.transpose(1, 2) for x in (q, k, v))
+
+        def run_flex():
+            turn[0] = (turn[0] + 1) % ROTATIONS
+            return flex(qt, kt, vt, block_mask=masks[turn[0]], enable_gqa=True)
+        add("flex_attention", run_flex)
+
+
+DECODE = [Shape(f"decode B8 Sq{sq} H32/8 Sk32k", 8, sq, 32768, 32, 8, d) for sq in (16, 1) for d in (1.0, 1 / 4, 1 / 16)] + \
+         [Shape("decode B1 Sq1 H32/8 Sk128k", 1, 1, 131072, 32, 8, d) for d in (1.0, 1 / 4, 1 / 16)]
+PREFILL = [Shape(f"prefill B1 S16k H32 {'causal' if c else 'full'}", 1, 16384, 16384, 32, 32, d, causal=c)
+           for c in (False, True) for d in (1.0, 1 / 4, 1 / 16)]
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="only the decode B8 Sq16 shapes")
+    parser.add_argument("--methods", default="fa2_sparse,sdpa,flex")
+    parser.add_argument("--json", type=Path)
+    parser.add_argument("--markdown", type=Path)
+    args = parser.parse_args()
+    methods = set(args.methods.split(","))
+    shapes = DECODE[:3] if args.quick else DECODE + PREFILL
+    print(f"GPU: {torch.cuda.get_device_name()}  torch {torch.__version__}", flush=True)
+    roofline = measure_roofline()
+    print(f"roofline: copy {roofline[0]:.2f} TB/s, bf16 matmul {roofline[1]:.0f} TFLOP/s", flush=True)
+    rows = []
+    for shape in shapes:
+        print(f"{shape.name}, density {shape.density:.4g}", flush=True)
+        bench_shape(shape, roofline, rows, methods)
+    result = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "date": time.strftime("%Y-%m-%d"),
+              "copy_tbps": roofline[0], "matmul_tflops": roofline[1], "rows": [asdict(r) for r in rows]}
+    if args.json:
+        args.json.write_text(json.dumps(result, indent=1))
+    table = ["| shape | density | method | ms | TFLOP/s | TB/s | % roofline |", "|---|---|---|---|---|---|---|"]
+    table += [f"| {r.shape} | {r.density:.4g} | {r.method} | {r.ms:.4f} | {r.tflops:.1f} | {r.tbps:.3f} | {100 * r.roofline_fraction:.1f} |" for r in rows]
+    if args.markdown:
+        args.markdown.write_text("\n".join(table) + "\n")
+    print("\n".join(table))
+
+
+if __name__ == "__main__":
+    main()
