@@ -6,7 +6,7 @@ For every shape it prints ms (median of CUDA-event timings after warm-up), effec
 KV head, plus Q and O) and the fraction of the roofline measured in the same run (copy bandwidth,
 bf16 matmul rate). Lists rotate between calls so the listed blocks are not served from L2.
 
-    python benchmarks/bench_sparse.py [--quick] [--json PATH] [--markdown PATH]
+    python benchmarks/bench_sparse.py [--shapes "B8 Sq16,prefill"] [--json PATH] [--markdown PATH]
 """
 
 import argparse
@@ -100,19 +100,20 @@ def counted_work(shape, lists):
 
 
 def flex_block_mask(lists, shape):
+    """A FlexAttention BlockMask of the same lists, all as full blocks (no mask_mod work)."""
     from torch.nn.attention.flex_attention import BlockMask
-    counts = torch.tensor([[len(l) for l in per_b] for per_b in lists], dtype=torch.int32, device="cuda")
-    width = max(len(l) for per_b in lists for l in per_b)
-    idx = torch.zeros(shape.batch, shape.heads_k, 1, width, dtype=torch.int32, device="cuda")
+    n_blocks = shape.seqlen_k // BLOCK
+    group = shape.heads // shape.heads_k
+    counts = torch.zeros(shape.batch, shape.heads_k, 1, dtype=torch.int32)
+    idx = torch.zeros(shape.batch, shape.heads_k, 1, n_blocks, dtype=torch.int32)
     for b, per_b in enumerate(lists):
         for h, l in enumerate(per_b):
+            counts[b, h, 0] = len(l)
             idx[b, h, 0, :len(l)] = torch.tensor(l, dtype=torch.int32)
-    group = shape.heads // shape.heads_k
-    counts = counts.repeat_interleave(group, dim=1).unsqueeze(-1)
-    idx = idx.repeat_interleave(group, dim=1)
-    q_block = max(shape.seqlen_q, 16)
-    return BlockMask.from_kv_blocks(torch.zeros_like(counts), idx, counts, idx, BLOCK_SIZE=(q_block, BLOCK),
-                                    seq_lengths=(shape.seqlen_q, shape.seqlen_k))
+    counts = counts.repeat_interleave(group, dim=1).cuda()
+    idx = idx.repeat_interleave(group, dim=1).cuda()
+    return BlockMask.from_kv_blocks(torch.zeros_like(counts), torch.zeros_like(idx), counts, idx,
+                                    BLOCK_SIZE=(BLOCK, BLOCK), seq_lengths=(shape.seqlen_q, shape.seqlen_k))
 
 
 def bench_shape(shape, roofline, rows, methods):
@@ -176,13 +177,15 @@ PREFILL = [Shape(f"prefill B1 S16k H32 {'causal' if c else 'full'}", 1, 16384, 1
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="only the decode B8 Sq16 shapes")
+    parser.add_argument("--shapes", help="comma-separated substrings of shape names to run (default: all)")
     parser.add_argument("--methods", default="fa2_sparse,sdpa,flex")
     parser.add_argument("--json", type=Path)
     parser.add_argument("--markdown", type=Path)
     args = parser.parse_args()
     methods = set(args.methods.split(","))
-    shapes = DECODE[:3] if args.quick else DECODE + PREFILL
+    shapes = DECODE + PREFILL
+    if args.shapes:
+        shapes = [s for s in shapes if any(part.strip() in s.name for part in args.shapes.split(","))]
     print(f"GPU: {torch.cuda.get_device_name()}  torch {torch.__version__}", flush=True)
     roofline = measure_roofline()
     print(f"roofline: copy {roofline[0]:.2f} TB/s, bf16 matmul {roofline[1]:.0f} TFLOP/s", flush=True)

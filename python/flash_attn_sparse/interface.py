@@ -52,10 +52,13 @@ def choose_num_splits(batch_heads_mblocks: int, num_sms: int, num_tiles: int, ma
     return 1
 
 
-def _auto_num_splits(q: Tensor, batch: int, heads: int, max_seqlen_q: int, list_length: int, block_size: int) -> int:
+KERNEL_ROWS = 64  # query rows per CTA of the split-capable kernel
+
+
+def _auto_num_splits(q: Tensor, batch: int, tile_heads: int, tile_rows: int, list_length: int, block_size: int) -> int:
     tiles = cdiv(list_length * block_size, _tile_n(q.shape[-1]))
     # Two 128-thread CTAs fit per SM, as upstream assumes.
-    return choose_num_splits(batch * heads * cdiv(max_seqlen_q, 64), 2 * _num_sms(q.device.index or 0), max(tiles, 1))
+    return choose_num_splits(batch * tile_heads * cdiv(tile_rows, KERNEL_ROWS), 2 * _num_sms(q.device.index or 0), max(tiles, 1))
 
 
 def _check_qkv(q: Tensor, k: Tensor, v: Tensor, varlen: bool) -> Tuple[Tensor, Tensor, Tensor]:
@@ -163,18 +166,30 @@ class _Call:
         self.causal = causal
         self.cu_seqlens_q, self.cu_seqlens_k, self.seqused_k = cu_seqlens_q, cu_seqlens_k, seqused_k
 
+    @property
+    def pack_gqa(self) -> bool:
+        """Whether the query heads of a K/V head share a tile, so each listed K/V block is read
+        once per K/V head: when tiles would otherwise be mostly empty (short queries, decode),
+        and the lists are shared or per K/V head."""
+        heads, heads_k = self.q.shape[-2], self.k.shape[-2]
+        group = heads // heads_k
+        q_block = self.blocks.resolved_q_block_size(self.max_seqlen_q)
+        return (group > 1 and self.blocks.num_heads in (1, heads_k) and KERNEL_ROWS % group == 0
+                and q_block % (KERNEL_ROWS // group) == 0 and self.max_seqlen_q < KERNEL_ROWS)
+
     def op_args(self, num_splits: int):
         b = self.blocks
         return (self.q, self.k, self.v, b.full_cnt, b.full_idx, b.mask_cnt, b.mask_idx,
                 self.cu_seqlens_q, self.cu_seqlens_k, self.seqused_k, b.cu_total_m_blocks, b.cu_block_idx_offsets,
                 self.max_seqlen_q, self.max_seqlen_k, b.block_size, b.resolved_q_block_size(self.max_seqlen_q),
-                self.scale, self.causal, num_splits)
+                self.scale, self.causal, num_splits, self.pack_gqa)
 
     def num_splits(self) -> int:
         """The requested split count, or the heuristic's choice for 0."""
         if self.requested_splits:
             return self.requested_splits
-        return _auto_num_splits(self.q, self.batch, self.q.shape[-2], self.max_seqlen_q,
+        group = self.q.shape[-2] // self.k.shape[-2] if self.pack_gqa else 1
+        return _auto_num_splits(self.q, self.batch, self.q.shape[-2] // group, self.max_seqlen_q * group,
                                 self.blocks.max_list_length(self.max_seqlen_k), self.blocks.block_size)
 
     def run(self) -> Tuple[Tensor, Tensor]:

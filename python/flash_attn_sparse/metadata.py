@@ -138,6 +138,41 @@ class SparseBlocks:
 
 
 
+def pack_varlen_lists(full: Sequence, mask: Optional[Sequence] = None, block_size: int = 128,
+                      q_block_size: int = 128, device=None) -> SparseBlocks:
+    """Varlen metadata from nested Python lists full[b][hs][m] = [block ids] (host-side helper).
+
+    Sequence b has len(full[b][0]) query tiles; its rows hold n_b = the longest of its lists
+    (at least 1) entries, so cu_block_idx_offsets advances by m_blocks_b * n_b.
+    """
+    batch, heads = len(full), len(full[0])
+    lists_of = [full] + ([mask] if mask is not None else [])
+    m_blocks = [len(full[b][0]) for b in range(batch)]
+    n_per_row = [max([len(row) for kind in lists_of for per_h in kind[b] for row in per_h] + [1]) for b in range(batch)]
+    cu_m = [0]
+    cu_off = [0]
+    for b in range(batch):
+        cu_m.append(cu_m[-1] + m_blocks[b])
+        cu_off.append(cu_off[-1] + m_blocks[b] * n_per_row[b])
+
+    def pack(lists):
+        cnt = torch.zeros(heads, cu_m[-1], dtype=torch.int32)
+        idx = torch.zeros(heads, max(cu_off[-1], 1), dtype=torch.int32)
+        for b in range(batch):
+            for h in range(heads):
+                for m, row in enumerate(lists[b][h]):
+                    cnt[h, cu_m[b] + m] = len(row)
+                    start = cu_off[b] + m * n_per_row[b]
+                    idx[h, start:start + len(row)] = torch.tensor(row, dtype=torch.int32)
+        return cnt.to(device), idx.to(device)
+
+    full_cnt, full_idx = pack(full)
+    mask_cnt, mask_idx = pack(mask) if mask is not None else (None, None)
+    as_tensor = lambda values: torch.tensor(values, dtype=torch.int32, device=device)
+    return SparseBlocks(full_cnt, full_idx, mask_cnt, mask_idx, block_size, q_block_size,
+                        cu_total_m_blocks=as_tensor(cu_m), cu_block_idx_offsets=as_tensor(cu_off))
+
+
 def _check_table(t: Optional[Tensor], name: str, device: torch.device, dim: int):
     if t is None:
         return

@@ -80,7 +80,7 @@ std::vector<at::Tensor> mha_fwd_sparse(
     std::optional<at::Tensor> cu_total_m_blocks_, std::optional<at::Tensor> cu_block_idx_offsets_,
     int max_seqlen_q, int max_seqlen_k,
     int block_size, int q_block_size,
-    double softmax_scale, bool is_causal, int num_splits,
+    double softmax_scale, bool is_causal, int num_splits, bool pack_gqa,
     std::optional<at::Tensor> out_partial_, std::optional<at::Tensor> lse_partial_, int partial_offset) {
 
     at::cuda::CUDAGuard device_guard{q.device()};
@@ -168,6 +168,7 @@ std::vector<at::Tensor> mha_fwd_sparse(
     // Causality applies to "mask" blocks only; the window fields stay those of a non-causal call.
     params.is_causal = is_causal;
     params.total_q = total_q;
+    params.combine_empty_lse_is_neg_inf = true;
 
     params.sparse_full_cnt = full_cnt.data_ptr<int>();
     params.sparse_full_idx = full_idx.data_ptr<int>();
@@ -191,6 +192,14 @@ std::vector<at::Tensor> mha_fwd_sparse(
     params.sparse_block_size = block_size;
     params.sparse_block_size_log2 = __builtin_ctz(block_size);
     params.sparse_q_block_size = q_block_size;
+    // Packing puts h / h_k query heads in a tile; they must share their lists, and a tile's
+    // query positions must stay within one table row.
+    const int group = pack_gqa ? num_heads / num_heads_k : 1;
+    TORCH_CHECK(!pack_gqa || num_table_heads != num_heads || num_heads == num_heads_k,
+                "pack_gqa needs lists shared by all heads or per K/V head");
+    TORCH_CHECK(kSparseNarrowBlockM % group == 0 && q_block_size % (kSparseNarrowBlockM / group) == 0,
+                "pack_gqa needs h / h_k to divide 64 and the query tile to hold whole packed tiles");
+    params.sparse_pack_gqa = group;
 
     TORCH_CHECK(num_splits >= 1 && num_splits <= 128, "num_splits must be in [1, 128]");
     params.num_splits = num_splits;
@@ -223,7 +232,7 @@ std::vector<at::Tensor> mha_fwd_sparse(
     auto stream = at::cuda::getCurrentCUDAStream().stream();
     const bool split = out_accum.defined();
     // 128-row tiles suit long queries; 64-row tiles waste less on short ones, and split.
-    const bool wide = !split && seqlen_q > kSparseNarrowBlockM && q_block_size % kSparseWideBlockM == 0;
+    const bool wide = !split && !pack_gqa && seqlen_q > kSparseNarrowBlockM && q_block_size % kSparseWideBlockM == 0;
     run_sparse(params, stream, wide, split);
     if (partial) { return {out_accum, lse_accum}; }
     if (split) { run_combine(params, stream); }
@@ -276,6 +285,7 @@ void mha_combine(const at::Tensor &out_partial, const at::Tensor &lse_partial,
     params.softmax_lse_ptr = softmax_lse.data_ptr();
     params.unpadded_lse = varlen;
     params.cu_seqlens_q = varlen ? cu_seqlens_q_->data_ptr<int>() : nullptr;
+    params.combine_empty_lse_is_neg_inf = true;
     if (out.numel() == 0) { return; }
     run_combine(params, at::cuda::getCurrentCUDAStream().stream());
 }

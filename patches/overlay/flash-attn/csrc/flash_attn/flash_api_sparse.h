@@ -17,7 +17,8 @@ namespace FLASH_NAMESPACE {
 // Attention of q over the K/V blocks named by the lists, batched (q: b x seqlen_q x h x d) or
 // varlen (q: total_q x h x d with cu_seqlens_q). Returns {out, softmax_lse}, or, when out_partial
 // is given, writes fp32 partials to its slots [partial_offset, partial_offset + num_splits) and
-// returns {out_partial, lse_partial}.
+// returns {out_partial, lse_partial}. pack_gqa puts the query heads of a K/V head in one tile
+// (the lists must then be shared or per K/V head).
 std::vector<at::Tensor> mha_fwd_sparse(
     const at::Tensor &q, const at::Tensor &k, const at::Tensor &v,
     std::optional<at::Tensor> out_,
@@ -28,7 +29,7 @@ std::vector<at::Tensor> mha_fwd_sparse(
     std::optional<at::Tensor> cu_total_m_blocks_, std::optional<at::Tensor> cu_block_idx_offsets_,
     int max_seqlen_q, int max_seqlen_k,
     int block_size, int q_block_size,
-    double softmax_scale, bool is_causal, int num_splits,
+    double softmax_scale, bool is_causal, int num_splits, bool pack_gqa,
     std::optional<at::Tensor> out_partial_, std::optional<at::Tensor> lse_partial_, int partial_offset);
 
 // Merges partials (S x b x h x seqlen_q x d_rounded fp32, S x b x h x seqlen_q fp32) into out and

@@ -11,6 +11,11 @@
  * Rows that are not real keys (past the list end, past seqlen_k in the tail block, or named by an
  * out-of-range entry) are never loaded: their scores are set to -inf and their V rows in shared
  * memory are zeroed, so no list content can make the kernel read out of bounds.
+ *
+ * With GQA packing (params.sparse_pack_gqa = g > 1) a CTA serves the g query heads of one K/V
+ * head: its query row r is position r / g of head h_k * g + r % g, so every listed K/V tile
+ * feeds g times more rows. Query rows are addressed one by one for that reason (Q is read and O
+ * written once per CTA, so this costs nothing measurable).
  ******************************************************************************/
 
 #pragma once
@@ -74,12 +79,27 @@ struct SparseTileList {
     }
 };
 
+// Where a CTA's query rows live. Row r of the tile is packed row first_row + r: query position
+// (first_row + r) / group of head first_head + (first_row + r) % group.
+struct SparseTileRows {
+    int first_row;
+    int num_rows;  // packed rows of this sequence: actual_seqlen_q * group
+    int group;
+    int first_head;
+
+    __forceinline__ __device__ bool valid(const int r) const { return first_row + r < num_rows; }
+    __forceinline__ __device__ int position(const int r) const { return (first_row + r) / group; }
+    __forceinline__ __device__ int head(const int r) const { return first_head + (first_row + r) % group; }
+};
+
 template<int kBlockM, typename Params>
-__forceinline__ __device__ SparseTileList get_sparse_tile_list(const Params &params, const int bidb, const int bidh,
-                                                               const int m_block, const int seqlen_k) {
+__forceinline__ __device__ SparseTileList get_sparse_tile_list(const Params &params, const int bidb, const SparseTileRows &rows,
+                                                               const int seqlen_k) {
     using index_t = typename Params::index_t;
-    const int hs = bidh / params.sparse_head_ratio;
-    const int m_row = (m_block * kBlockM) / params.sparse_q_block_size;
+    // With packing, the host guarantees that the group's heads share a table head and that a
+    // tile's positions stay within one table row.
+    const int hs = rows.first_head / params.sparse_head_ratio;
+    const int m_row = rows.position(0) / params.sparse_q_block_size;
     index_t cnt_offset, idx_offset;
     int capacity;
     if (params.sparse_cu_total_m_blocks == nullptr) {
@@ -113,25 +133,25 @@ __forceinline__ __device__ SparseTileList get_sparse_tile_list(const Params &par
 
 ////////////////////////////////////////////////////////////////////////////////////////////////////
 
-// Copies the rows of one K or V tile from their listed positions. S0 is the thread's copy
-// partition of a row-stride-0 view of the head's keys (so it only carries column offsets);
-// positions[m] is the key position of the thread's m-th row, -1 for a row that is not a key.
+// Copies the rows of one tile, each from its own place. S0 is the thread's copy partition of a
+// row-stride-0 view of the source (so it only carries column offsets); row_offset(m) is the
+// element offset of the thread's m-th row, negative for a row that is not copied (then its
+// shared-memory row is zeroed if Clear_invalid_rows). D may be shared or global memory.
 template <bool Is_even_K, bool Clear_invalid_rows, typename TiledCopy, typename Engine0, typename Layout0,
-          typename Engine1, typename Layout1, typename Engine2, typename Layout2, int kRows>
-__forceinline__ __device__ void copy_listed_rows(TiledCopy tiled_copy, Tensor<Engine0, Layout0> const &S0,
-                                                 Tensor<Engine1, Layout1> &D, Tensor<Engine2, Layout2> const &predicate_K,
-                                                 const int (&positions)[kRows], const int64_t row_stride) {
-    static_assert(decltype(size<1>(S0))::value == kRows);
+          typename Engine1, typename Layout1, typename Engine2, typename Layout2, typename RowOffset>
+__forceinline__ __device__ void copy_rows(TiledCopy tiled_copy, Tensor<Engine0, Layout0> const &S0,
+                                          Tensor<Engine1, Layout1> &D, Tensor<Engine2, Layout2> const &predicate_K,
+                                          RowOffset row_offset) {
     #pragma unroll
-    for (int m = 0; m < kRows; ++m) {
-        if (positions[m] >= 0) {
-            const int64_t row_offset = int64_t(positions[m]) * row_stride;
+    for (int m = 0; m < size<1>(S0); ++m) {
+        const int64_t offset = row_offset(m);
+        if (offset >= 0) {
             #pragma unroll
             for (int k = 0; k < size<2>(S0); ++k) {
                 if (Is_even_K || predicate_K(k)) {
-                    Tensor src = make_tensor(S0(_, m, k).data() + row_offset, S0(_, m, k).layout());
+                    Tensor src = make_tensor(S0(_, m, k).data() + offset, S0(_, m, k).layout());
                     cute::copy(tiled_copy, src, D(_, m, k));
-                } else {
+                } else if (Clear_invalid_rows) {
                     cute::clear(D(_, m, k));
                 }
             }
@@ -142,12 +162,33 @@ __forceinline__ __device__ void copy_listed_rows(TiledCopy tiled_copy, Tensor<En
     }
 }
 
+// The same, from registers to places in global memory (the epilogue): S is a register fragment,
+// D0 the thread's partition of a row-stride-0 view of the destination.
+template <bool Is_even_K, typename TiledCopy, typename Engine0, typename Layout0, typename Engine1, typename Layout1,
+          typename Engine2, typename Layout2, typename RowOffset>
+__forceinline__ __device__ void store_rows(TiledCopy tiled_copy, Tensor<Engine0, Layout0> const &S,
+                                           Tensor<Engine1, Layout1> const &D0, Tensor<Engine2, Layout2> const &predicate_K,
+                                           RowOffset row_offset) {
+    #pragma unroll
+    for (int m = 0; m < size<1>(S); ++m) {
+        const int64_t offset = row_offset(m);
+        if (offset < 0) { continue; }
+        #pragma unroll
+        for (int k = 0; k < size<2>(S); ++k) {
+            if (Is_even_K || predicate_K(k)) {
+                Tensor dst = make_tensor(D0(_, m, k).data() + offset, D0(_, m, k).layout());
+                cute::copy(tiled_copy, S(_, m, k), dst);
+            }
+        }
+    }
+}
+
 // Sets to -inf the scores of columns that are not keys, and (causal) those of mask-block keys
 // after a row's diagonal. acc_s is (MMA=4, MMA_M, MMA_N); list rows [v0, v0 + kBlockN).
 template <typename Engine, typename Layout>
 __forceinline__ __device__ void apply_sparse_mask(Tensor<Engine, Layout> &acc_s, const SparseTileList &list,
-                                                  const int v0, const bool is_causal, const int row_idx_offset,
-                                                  const int warp_row_stride, const int seqlen_q) {
+                                                  const int v0, const bool is_causal, const SparseTileRows &rows,
+                                                  const int row_idx_offset, const int warp_row_stride, const int seqlen_q) {
     Tensor tensor = make_tensor(acc_s.data(), FLASH_NAMESPACE::convert_layout_acc_rowcol(acc_s.layout()));
     const int lane_id = threadIdx.x % 32;
     const int col_offset = v0 + (lane_id % 4) * 2;
@@ -162,9 +203,9 @@ __forceinline__ __device__ void apply_sparse_mask(Tensor<Engine, Layout> &acc_s,
             for (int mi = 0; mi < size<0, 1>(tensor); ++mi) {
                 #pragma unroll
                 for (int i = 0; i < size<0, 0>(tensor); ++i) {
-                    const int row_idx = row_idx_offset + mi * warp_row_stride + i * 8;
+                    const int row_position = rows.position(row_idx_offset + mi * warp_row_stride + i * 8);
                     // Bottom-right aligned causal mask, as in FlashAttention.
-                    const bool hidden = pos < 0 || (causal_col && pos > row_idx + list.seqlen_k - seqlen_q);
+                    const bool hidden = pos < 0 || (causal_col && pos > row_position + list.seqlen_k - seqlen_q);
                     if (hidden) { tensor(make_coord(i, mi), make_coord(j, nj)) = -INFINITY; }
                 }
             }
@@ -174,51 +215,75 @@ __forceinline__ __device__ void apply_sparse_mask(Tensor<Engine, Layout> &acc_s,
 
 ////////////////////////////////////////////////////////////////////////////////////////////////////
 
-// Writes O = 0 and LSE = -inf for a tile with nothing to attend to (an empty list or split).
-template<typename Kernel_traits, bool Is_even_K, bool Split, typename Params>
-__forceinline__ __device__ void write_empty_sparse_tile(const Params &params, const BlockInfo</*Varlen=*/true> &binfo,
-                                                        const int bidb, const int bidh, const int m_block, const int slot) {
-    using Element = typename Kernel_traits::Element;
-    using ElementAccum = typename Kernel_traits::ElementAccum;
+// Where a tile's output goes: O (Split=false) or the fp32 partial slot (Split=true), and LSE.
+template<typename Kernel_traits, bool Split, typename Params>
+struct SparseOutput {
     using index_t = typename Kernel_traits::index_t;
-    using ElementO = std::conditional_t<!Split, Element, ElementAccum>;
+    using ElementAccum = typename Kernel_traits::ElementAccum;
+    using ElementO = std::conditional_t<!Split, typename Kernel_traits::Element, ElementAccum>;
+
+    const Params &params;
+    const SparseTileRows &rows;
+    index_t o_base;    // start of this sequence in O (Split=false)
+    index_t lse_base;  // start of this sequence's first head in LSE
+    index_t lse_head_stride;
+    index_t slot_base; // start of (slot, batch) in the partials, in rows of d_rounded (Split=true)
+
+    __forceinline__ __device__ SparseOutput(const Params &params, const SparseTileRows &rows, const BlockInfo</*Varlen=*/true> &binfo,
+                                            const int bidb, const int slot) : params(params), rows(rows) {
+        o_base = binfo.q_offset(params.o_batch_stride, params.o_row_stride, bidb);
+        slot_base = (index_t(slot) * params.b + bidb) * params.h * params.seqlen_q;
+        if (Split || !params.unpadded_lse) {  // (slot, b, h, seqlen_q)
+            lse_base = slot_base;
+            lse_head_stride = params.seqlen_q;
+        } else {                              // varlen: (h, total_q)
+            lse_base = binfo.q_offset(params.seqlen_q, 1, bidb);
+            lse_head_stride = params.total_q;
+        }
+    }
+
+    __forceinline__ __device__ ElementO *o_ptr() const { return reinterpret_cast<ElementO *>(Split ? params.oaccum_ptr : params.o_ptr); }
+
+    // Element offset of tile row r in O / the partials; -1 past the sequence.
+    __forceinline__ __device__ int64_t o_offset(const int r) const {
+        if (!rows.valid(r)) { return -1; }
+        if (Split) { return (slot_base + index_t(rows.head(r)) * params.seqlen_q + rows.position(r)) * params.d_rounded; }
+        return o_base + index_t(rows.position(r)) * params.o_row_stride + index_t(rows.head(r)) * params.o_head_stride;
+    }
+
+    __forceinline__ __device__ void write_lse(const int r, const float lse) const {
+        if (rows.valid(r)) {
+            ElementAccum *lse_ptr = reinterpret_cast<ElementAccum *>(Split ? params.softmax_lseaccum_ptr : params.softmax_lse_ptr);
+            lse_ptr[lse_base + index_t(rows.head(r)) * lse_head_stride + rows.position(r)] = lse;
+        }
+    }
+};
+
+// Writes O = 0 and LSE = -inf for a tile with nothing to attend to (an empty list or split).
+template<typename Kernel_traits, bool Is_even_K, bool Split, typename Output>
+__forceinline__ __device__ void write_empty_sparse_tile(const Output &output) {
     using GmemTiledCopyO = std::conditional_t<!Split, typename Kernel_traits::GmemTiledCopyO, typename Kernel_traits::GmemTiledCopyOaccum>;
+    using ElementO = typename Output::ElementO;
     constexpr int kBlockM = Kernel_traits::kBlockM;
     constexpr int kHeadDim = Kernel_traits::kHeadDim;
     const int tidx = threadIdx.x;
 
-    const index_t row_offset_o = binfo.q_offset(params.o_batch_stride, params.o_row_stride, bidb)
-        + m_block * kBlockM * params.o_row_stride + bidh * params.o_head_stride;
-    const index_t row_offset_oaccum = (((index_t(slot) * params.b + bidb) * params.h + bidh) * params.seqlen_q
-        + m_block * kBlockM) * params.d_rounded;
-    const index_t row_offset_lse = (Split || !params.unpadded_lse
-        ? ((index_t(slot) * params.b + bidb) * params.h + bidh) * params.seqlen_q
-        : bidh * index_t(params.total_q) + binfo.q_offset(params.seqlen_q, 1, bidb)) + m_block * kBlockM;
-    Tensor gO = make_tensor(make_gmem_ptr(reinterpret_cast<ElementO *>(Split ? params.oaccum_ptr : params.o_ptr) + (Split ? row_offset_oaccum : row_offset_o)),
-                            Shape<Int<kBlockM>, Int<kHeadDim>>{},
-                            make_stride(Split ? kHeadDim : params.o_row_stride, _1{}));
-    Tensor gLSE = make_tensor(make_gmem_ptr(reinterpret_cast<ElementAccum *>(Split ? params.softmax_lseaccum_ptr : params.softmax_lse_ptr) + row_offset_lse),
-                              Shape<Int<kBlockM>>{}, Stride<_1>{});
-
+    Tensor gO0 = make_tensor(make_gmem_ptr(output.o_ptr()), Shape<Int<kBlockM>, Int<kHeadDim>>{}, make_stride(_0{}, _1{}));
     GmemTiledCopyO gmem_tiled_copy_O;
     auto gmem_thr_copy_O = gmem_tiled_copy_O.get_thread_slice(tidx);
-    Tensor tOgO = gmem_thr_copy_O.partition_D(gO);
-    Tensor tOrO = make_tensor<ElementO>(shape(tOgO));
+    Tensor tOgO0 = gmem_thr_copy_O.partition_D(gO0);
+    Tensor tOrO = make_tensor<ElementO>(shape(tOgO0));
     clear(tOrO);
-    Tensor cO = make_identity_tensor(make_shape(size<0>(gO), size<1>(gO)));
-    Tensor tOcO = gmem_thr_copy_O.partition_D(cO);
-    Tensor tOpO = make_tensor<bool>(make_shape(size<2>(tOgO)));
+    Tensor tOcO = gmem_thr_copy_O.partition_D(make_identity_tensor(Shape<Int<kBlockM>, Int<kHeadDim>>{}));
+    Tensor tOpO = make_tensor<bool>(make_shape(size<2>(tOgO0)));
     if (!Is_even_K) {
         #pragma unroll
-        for (int k = 0; k < size(tOpO); ++k) { tOpO(k) = get<1>(tOcO(0, 0, k)) < params.d; }
+        for (int k = 0; k < size(tOpO); ++k) { tOpO(k) = get<1>(tOcO(0, 0, k)) < output.params.d; }
     }
-    FLASH_NAMESPACE::copy</*Is_even_MN=*/false, Is_even_K, /*Clear_OOB_MN=*/false, /*Clear_OOB_K=*/false>(
-        gmem_tiled_copy_O, tOrO, tOgO, tOcO, tOpO, binfo.actual_seqlen_q - m_block * kBlockM
-    );
+    store_rows<Is_even_K>(gmem_tiled_copy_O, tOrO, tOgO0, tOpO, [&](int m) { return output.o_offset(get<0>(tOcO(0, m, 0))); });
     #pragma unroll
-    for (int m = 0; m < size<1>(tOgO); ++m) {
-        const int row = get<0>(tOcO(0, m, 0));
-        if (row < binfo.actual_seqlen_q - m_block * kBlockM && get<1>(tOcO(0, m, 0)) == 0) { gLSE(row) = -INFINITY; }
+    for (int m = 0; m < size<1>(tOgO0); ++m) {
+        if (get<1>(tOcO(0, m, 0)) == 0) { output.write_lse(get<0>(tOcO(0, m, 0)), -INFINITY); }
     }
 }
 
@@ -244,27 +309,27 @@ inline __device__ void compute_attn_1rowblock_sparse(const Params &params, const
     using ElementO = std::conditional_t<!Split, Element, ElementAccum>;
 
     const BlockInfo</*Varlen=*/true> binfo(params, bidb);
-    if (m_block * kBlockM >= binfo.actual_seqlen_q) return;
-    const int slot = params.sparse_split_offset + n_split_idx;
+    // bidh is the tile's head: the K/V head when packing, else the query head.
+    const int group = params.sparse_pack_gqa;
+    const SparseTileRows rows{m_block * kBlockM, binfo.actual_seqlen_q * group, group, bidh * group};
+    if (rows.first_row >= rows.num_rows) return;
+    const SparseOutput<Kernel_traits, Split, Params> output(params, rows, binfo, bidb, params.sparse_split_offset + n_split_idx);
 
-    const SparseTileList list = get_sparse_tile_list<kBlockM>(params, bidb, bidh, m_block, binfo.actual_seqlen_k);
+    const SparseTileList list = get_sparse_tile_list<kBlockM>(params, bidb, rows, binfo.actual_seqlen_k);
     // This split's share of the list, in kernel tiles of kBlockN list rows.
     const int n_tiles = cute::ceil_div(list.total_cnt << list.block_size_log2, kBlockN);
     const int tiles_per_split = cute::ceil_div(n_tiles, num_n_splits);
     const int tile_min = n_split_idx * tiles_per_split;
     const int tile_max = std::min(n_tiles, tile_min + tiles_per_split);
     if (tile_min >= tile_max) {
-        write_empty_sparse_tile<Kernel_traits, Is_even_K, Split>(params, binfo, bidb, bidh, m_block, slot);
+        write_empty_sparse_tile<Kernel_traits, Is_even_K, Split>(output);
         return;
     }
 
-    const int bidh_k = bidh / params.h_h_k_ratio;
-    Tensor mQ = make_tensor(make_gmem_ptr(reinterpret_cast<Element*>(params.q_ptr) + binfo.q_offset(params.q_batch_stride, params.q_row_stride, bidb)),
-                            make_shape(binfo.actual_seqlen_q, params.h, params.d),
-                            make_stride(params.q_row_stride, params.q_head_stride, _1{}));
-    Tensor gQ = local_tile(mQ(_, bidh, _), Shape<Int<kBlockM>, Int<kHeadDim>>{},
-                           make_coord(m_block, 0));  // (kBlockM, kHeadDim)
-    // Row-stride-0 views of this head's keys and values: rows are placed by copy_listed_rows.
+    const int bidh_k = rows.first_head / params.h_h_k_ratio;
+    // Row-stride-0 views of Q, K and V: rows are placed one by one (copy_rows).
+    Tensor gQ0 = make_tensor(make_gmem_ptr(reinterpret_cast<Element *>(params.q_ptr) + binfo.q_offset(params.q_batch_stride, params.q_row_stride, bidb)),
+                             Shape<Int<kBlockM>, Int<kHeadDim>>{}, make_stride(_0{}, _1{}));
     Tensor gK0 = make_tensor(make_gmem_ptr(reinterpret_cast<Element *>(params.k_ptr)
                                            + binfo.k_offset(params.k_batch_stride, params.k_row_stride, bidb) + bidh_k * params.k_head_stride),
                              Shape<Int<kBlockN>, Int<kHeadDim>>{}, make_stride(_0{}, _1{}));
@@ -281,7 +346,7 @@ inline __device__ void compute_attn_1rowblock_sparse(const Params &params, const
     typename Kernel_traits::GmemTiledCopyQKV gmem_tiled_copy_QKV;
     auto gmem_thr_copy_QKV = gmem_tiled_copy_QKV.get_thread_slice(tidx);
 
-    Tensor tQgQ = gmem_thr_copy_QKV.partition_S(gQ);
+    Tensor tQgQ0 = gmem_thr_copy_QKV.partition_S(gQ0);
     Tensor tQsQ = gmem_thr_copy_QKV.partition_D(sQ);
     Tensor tKgK0 = gmem_thr_copy_QKV.partition_S(gK0);  // (KCPY, KCPY_N, KCPY_K)
     Tensor tKsK = gmem_thr_copy_QKV.partition_D(sK);
@@ -327,27 +392,32 @@ inline __device__ void compute_attn_1rowblock_sparse(const Params &params, const
             positions[m] = list.position(tile * kBlockN + get<0>(tKVcKV(0, m, 0)));
         }
     };
+    auto key_rows = [&](const int (&positions)[kRowsPerThread], const index_t row_stride) {
+        return [&positions, row_stride](int m) { return positions[m] < 0 ? int64_t(-1) : int64_t(positions[m]) * row_stride; };
+    };
 
     // Prologue: Q, and K of the last tile of this split (tiles are visited in reverse).
-    FLASH_NAMESPACE::copy</*Is_even_MN=*/false, Is_even_K>(gmem_tiled_copy_QKV, tQgQ, tQsQ, tQcQ, tQpQ,
-                                                          binfo.actual_seqlen_q - m_block * kBlockM);
+    copy_rows<Is_even_K, /*Clear_invalid_rows=*/false>(gmem_tiled_copy_QKV, tQgQ0, tQsQ, tQpQ, [&](int m) {
+        const int r = get<0>(tQcQ(0, m, 0));
+        return rows.valid(r) ? int64_t(rows.position(r)) * params.q_row_stride + int64_t(rows.head(r)) * params.q_head_stride : int64_t(-1);
+    });
     int tile = tile_max - 1;
     int positions[kRowsPerThread];
     tile_positions(tile, positions);
     // Invalid K rows need no clearing: their scores are masked to -inf.
-    copy_listed_rows<Is_even_K, /*Clear_invalid_rows=*/false>(gmem_tiled_copy_QKV, tKgK0, tKsK, tKVpKV, positions, params.k_row_stride);
+    copy_rows<Is_even_K, /*Clear_invalid_rows=*/false>(gmem_tiled_copy_QKV, tKgK0, tKsK, tKVpKV, key_rows(positions, params.k_row_stride));
     cute::cp_async_fence();
 
     clear(acc_o);
     FLASH_NAMESPACE::Softmax<2 * size<1>(acc_o)> softmax;
-    const int row_idx_offset = m_block * kBlockM + (tidx / 32) * 16 + (tidx % 32) / 4;
+    const int row_idx_offset = (tidx / 32) * 16 + (tidx % 32) / 4;
 
     for (bool is_first = true; tile >= tile_min; --tile, is_first = false) {
         Tensor acc_s = partition_fragment_C(tiled_mma, Shape<Int<kBlockM>, Int<kBlockN>>{});  // (MMA=4, MMA_M, MMA_N)
         clear(acc_s);
         FLASH_NAMESPACE::cp_async_wait<0>();
         __syncthreads();
-        copy_listed_rows<Is_even_K, /*Clear_invalid_rows=*/true>(gmem_tiled_copy_QKV, tVgV0, tVsV, tKVpKV, positions, params.v_row_stride);
+        copy_rows<Is_even_K, /*Clear_invalid_rows=*/true>(gmem_tiled_copy_QKV, tVgV0, tVsV, tKVpKV, key_rows(positions, params.v_row_stride));
         cute::cp_async_fence();
         // Look up the next tile's keys now so the list reads overlap the matmul.
         int next_positions[kRowsPerThread];
@@ -357,13 +427,13 @@ inline __device__ void compute_attn_1rowblock_sparse(const Params &params, const
                               smem_thr_copy_Q, smem_thr_copy_K);
         const bool masked = list.needs_mask(tile * kBlockN, kBlockN, params.is_causal);
         if (masked) {
-            apply_sparse_mask(acc_s, list, tile * kBlockN, params.is_causal, row_idx_offset, kNWarps * 16, binfo.actual_seqlen_q);
+            apply_sparse_mask(acc_s, list, tile * kBlockN, params.is_causal, rows, row_idx_offset, kNWarps * 16, binfo.actual_seqlen_q);
         }
 
         FLASH_NAMESPACE::cp_async_wait<0>();
         __syncthreads();
         if (tile > tile_min) {
-            copy_listed_rows<Is_even_K, /*Clear_invalid_rows=*/false>(gmem_tiled_copy_QKV, tKgK0, tKsK, tKVpKV, next_positions, params.k_row_stride);
+            copy_rows<Is_even_K, /*Clear_invalid_rows=*/false>(gmem_tiled_copy_QKV, tKgK0, tKsK, tKVpKV, key_rows(next_positions, params.k_row_stride));
             // The fence stays inside the branch, as upstream's: the wait<0> above counts on it.
             cute::cp_async_fence();
             #pragma unroll
@@ -393,33 +463,9 @@ inline __device__ void compute_attn_1rowblock_sparse(const Params &params, const
     Tensor rO = FLASH_NAMESPACE::convert_type<ElementO>(acc_o);
     Tensor taccOrOaccum = smem_thr_copy_Oaccum.retile_S(rO);        // ((Atom,AtomNum), MMA_M, MMA_N)
     Tensor taccOsOaccum = smem_thr_copy_Oaccum.partition_D(sOaccum);     // ((Atom,AtomNum),PIPE_M,PIPE_N)
-    // sOaccum overlaps sQ and, in fp32, sK: wait until every warp is done with them.
+    // sOaccum overlaps sQ and, in fp32, sK and sV: wait until every warp is done with them.
     __syncthreads();
     cute::copy(smem_tiled_copy_Oaccum, taccOrOaccum, taccOsOaccum);
-
-    const index_t row_offset_o = binfo.q_offset(params.o_batch_stride, params.o_row_stride, bidb)
-        + m_block * kBlockM * params.o_row_stride + bidh * params.o_head_stride;
-    const index_t row_offset_oaccum = (((index_t(slot) * params.b + bidb) * params.h + bidh) * params.seqlen_q
-                                       + m_block * kBlockM) * params.d_rounded;
-    const index_t row_offset_lseaccum = (Split || !params.unpadded_lse
-        ? ((index_t(slot) * params.b + bidb) * params.h + bidh) * params.seqlen_q
-        : bidh * index_t(params.total_q) + binfo.q_offset(params.seqlen_q, 1, bidb)) + m_block * kBlockM;
-
-    Tensor gOaccum = make_tensor(make_gmem_ptr(reinterpret_cast<ElementO *>(Split ? params.oaccum_ptr : params.o_ptr) + (Split ? row_offset_oaccum : row_offset_o)),
-                                 Shape<Int<kBlockM>, Int<kHeadDim>>{},
-                                 make_stride(Split ? kHeadDim : params.o_row_stride, _1{}));
-    Tensor gLSEaccum = make_tensor(make_gmem_ptr(reinterpret_cast<ElementAccum *>(Split ? params.softmax_lseaccum_ptr : params.softmax_lse_ptr) + row_offset_lseaccum),
-                                   Shape<Int<kBlockM>>{}, Stride<_1>{});
-
-    GmemTiledCopyO gmem_tiled_copy_Oaccum;
-    auto gmem_thr_copy_Oaccum = gmem_tiled_copy_Oaccum.get_thread_slice(tidx);
-    Tensor tOsOaccum = gmem_thr_copy_Oaccum.partition_S(sOaccum);        // ((Atom,AtomNum),ATOM_M,ATOM_N)
-    Tensor tOgOaccum = gmem_thr_copy_Oaccum.partition_D(gOaccum);
-
-    __syncthreads();
-
-    Tensor tOrOaccum = make_tensor<ElementO>(shape(tOgOaccum));
-    cute::copy(gmem_tiled_copy_Oaccum, tOsOaccum, tOrOaccum);
 
     Tensor caccO = make_identity_tensor(Shape<Int<kBlockM>, Int<kHeadDim>>{});    // (BLK_M,BLK_K) -> (blk_m,blk_k)
     Tensor taccOcO = thr_mma.partition_C(caccO);                           // (MMA,MMA_M,MMA_K)
@@ -429,23 +475,25 @@ inline __device__ void compute_attn_1rowblock_sparse(const Params &params, const
     CUTE_STATIC_ASSERT_V(size(lse) == size(taccOcO_row));                     // MMA_M
     if (get<1>(taccOcO_row(0)) == 0) {
         #pragma unroll
-        for (int mi = 0; mi < size(lse); ++mi) {
-            const int row = get<0>(taccOcO_row(mi));
-            if (row < binfo.actual_seqlen_q - m_block * kBlockM) { gLSEaccum(row) = lse(mi); }
-        }
+        for (int mi = 0; mi < size(lse); ++mi) { output.write_lse(get<0>(taccOcO_row(mi)), lse(mi)); }
     }
 
-    Tensor cO = make_identity_tensor(make_shape(size<0>(sOaccum), size<1>(sOaccum)));    // (BLK_M,BLK_K) -> (blk_m,blk_k)
-    Tensor tOcO = gmem_thr_copy_Oaccum.partition_D(cO);                           // (ACPY,ACPY_M,ACPY_K) -> (blk_m,blk_k)
-    Tensor tOpO = make_tensor<bool>(make_shape(size<2>(tOgOaccum)));
+    Tensor gO0 = make_tensor(make_gmem_ptr(output.o_ptr()), Shape<Int<kBlockM>, Int<kHeadDim>>{}, make_stride(_0{}, _1{}));
+    GmemTiledCopyO gmem_tiled_copy_Oaccum;
+    auto gmem_thr_copy_Oaccum = gmem_tiled_copy_Oaccum.get_thread_slice(tidx);
+    Tensor tOsOaccum = gmem_thr_copy_Oaccum.partition_S(sOaccum);        // ((Atom,AtomNum),ATOM_M,ATOM_N)
+    Tensor tOgO0 = gmem_thr_copy_Oaccum.partition_D(gO0);
+    __syncthreads();
+    Tensor tOrOaccum = make_tensor<ElementO>(shape(tOgO0));
+    cute::copy(gmem_tiled_copy_Oaccum, tOsOaccum, tOrOaccum);
+
+    Tensor tOcO = gmem_thr_copy_Oaccum.partition_D(make_identity_tensor(make_shape(size<0>(sOaccum), size<1>(sOaccum))));
+    Tensor tOpO = make_tensor<bool>(make_shape(size<2>(tOgO0)));
     if (!Is_even_K) {
         #pragma unroll
         for (int k = 0; k < size(tOpO); ++k) { tOpO(k) = get<1>(tOcO(0, 0, k)) < params.d; }
     }
-    // Clear_OOB_K must be false since we don't want to write zeros to gmem
-    FLASH_NAMESPACE::copy</*Is_even_MN=*/false, Is_even_K, /*Clear_OOB_MN=*/false, /*Clear_OOB_K=*/false>(
-        gmem_tiled_copy_Oaccum, tOrOaccum, tOgOaccum, tOcO, tOpO, binfo.actual_seqlen_q - m_block * kBlockM
-    );
+    store_rows<Is_even_K>(gmem_tiled_copy_Oaccum, tOrOaccum, tOgO0, tOpO, [&](int m) { return output.o_offset(get<0>(tOcO(0, m, 0))); });
 }
 
 } // namespace FLASH_NAMESPACE

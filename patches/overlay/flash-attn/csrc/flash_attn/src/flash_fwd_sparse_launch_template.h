@@ -18,9 +18,11 @@ namespace FLASH_NAMESPACE {
 template<typename Kernel_traits, bool Is_even_K, bool Split>
 __global__ void flash_fwd_sparse_kernel(KERNEL_PARAM_MODIFIER const Flash_fwd_params params) {
     #if defined(ARCH_SUPPORTS_FLASH)
+        // With GQA packing a CTA serves the query heads of one K/V head (see the kernel).
+        const int tile_heads = params.h / params.sparse_pack_gqa;
         const int m_block = blockIdx.x;
-        const int bidb = Split ? blockIdx.z / params.h : blockIdx.y;
-        const int bidh = Split ? blockIdx.z - bidb * params.h : blockIdx.z;
+        const int bidb = Split ? blockIdx.z / tile_heads : blockIdx.y;
+        const int bidh = Split ? blockIdx.z - bidb * tile_heads : blockIdx.z;
         const int n_split_idx = Split ? blockIdx.y : 0;
         const int num_n_splits = Split ? gridDim.y : 1;
         FLASH_NAMESPACE::compute_attn_1rowblock_sparse<Kernel_traits, Is_even_K, Split>(params, bidb, bidh, m_block, n_split_idx, num_n_splits);
@@ -34,9 +36,10 @@ __global__ void flash_fwd_sparse_kernel(KERNEL_PARAM_MODIFIER const Flash_fwd_pa
 template<typename Kernel_traits, bool Split>
 void run_flash_sparse_fwd(Flash_fwd_params &params, cudaStream_t stream) {
     constexpr size_t smem_size = Kernel_traits::kSmemSize;
-    const int num_m_block = (params.seqlen_q + Kernel_traits::kBlockM - 1) / Kernel_traits::kBlockM;
+    const int tile_heads = params.h / params.sparse_pack_gqa;
+    const int num_m_block = (params.seqlen_q * params.sparse_pack_gqa + Kernel_traits::kBlockM - 1) / Kernel_traits::kBlockM;
     const int num_splits = Split ? params.num_splits : 1;
-    dim3 grid(num_m_block, Split ? num_splits : params.b, Split ? params.b * params.h : params.h);
+    dim3 grid(num_m_block, Split ? num_splits : params.b, Split ? params.b * tile_heads : tile_heads);
     const bool is_even_K = params.d == Kernel_traits::kHeadDim;
     EVENK_SWITCH(is_even_K, IsEvenKConst, [&] {
         auto kernel = &flash_fwd_sparse_kernel<Kernel_traits, IsEvenKConst, Split>;

@@ -1,0 +1,116 @@
+"""Stage 6 (GPU part): per-(batch, head, query tile) lists, causal "mask" blocks, varlen batches."""
+
+import random
+
+import pytest
+import torch
+
+import flash_attn_sparse as fas
+from flash_attn_sparse import SparseBlocks
+from flash_attn_sparse.metadata import pack_varlen_lists
+from flash_attn_sparse.reference import visibility_from_lists
+from helpers import assert_close_to_reference, poison_allocator, random_qkv
+
+pytestmark = [pytest.mark.stage6, pytest.mark.gpu]
+
+
+def causal_lists(seqlen_q, seqlen_k, heads, block_size, q_block_size, density, rng):
+    """Per-(head, query tile) lists of a causal sparse pattern: the blocks a tile's rows can see
+    partly (around the diagonal) are "mask" blocks, a random share of the fully visible ones
+    are "full" blocks. Lists are shuffled: the FA-2 path does not rely on order."""
+    full, mask = [], []
+    offset = seqlen_k - seqlen_q
+    n_blocks = -(-seqlen_k // block_size)
+    for _ in range(heads):
+        full_h, mask_h = [], []
+        for m in range(-(-seqlen_q // q_block_size)):
+            first_row, last_row = m * q_block_size, min((m + 1) * q_block_size, seqlen_q) - 1
+            # Key blocks entirely visible to the tile's first row, and those some row can see.
+            historical = [b for b in range(n_blocks) if (b + 1) * block_size - 1 <= first_row + offset]
+            partial = [b for b in range(n_blocks) if b not in historical and b * block_size <= last_row + offset]
+            chosen = [b for b in historical if rng.random() < density]
+            rng.shuffle(chosen)
+            rng.shuffle(partial)
+            full_h.append(chosen)
+            mask_h.append(partial)
+        full.append(full_h)
+        mask.append(mask_h)
+    return full, mask
+
+
+@pytest.mark.parametrize("num_splits", [1, 3], ids=["nosplit", "split"])
+@pytest.mark.parametrize("table_heads", ["kv", "q"])
+@pytest.mark.parametrize("q_block_size,block_size", [(128, 128), (128, 64), (64, 32), (256, 256)])
+def test_batched_causal_mask_blocks(q_block_size, block_size, table_heads, num_splits):
+    seed = q_block_size + block_size + num_splits
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    rng = random.Random(seed)
+    batch, seqlen_q, seqlen_k, heads, heads_k = 2, 700, 1500, 8, 2
+    q, k, v = random_qkv(batch, seqlen_q, seqlen_k, heads, heads_k, 128, torch.bfloat16, generator=g)
+    n_table_heads = heads_k if table_heads == "kv" else heads
+    per_batch = [causal_lists(seqlen_q, seqlen_k, n_table_heads, block_size, q_block_size, 0.5, rng) for _ in range(batch)]
+    blocks = SparseBlocks.from_lists([pb[0] for pb in per_batch], [pb[1] for pb in per_batch], block_size=block_size,
+                                     q_block_size=q_block_size, device="cuda")
+    poison_allocator(((batch, seqlen_q, heads, 128), torch.bfloat16), ((batch, heads, seqlen_q), torch.float32))
+    out, lse = fas.flash_attn_with_sparse_block_table(q, k, v, blocks, causal=True, num_splits=num_splits, validate="full")
+    for b in range(batch):
+        visible = visibility_from_lists(per_batch[b][0], per_batch[b][1], block_size, q_block_size, seqlen_q, seqlen_k,
+                                        heads, causal=True, device="cuda")
+        assert_close_to_reference(out[b:b + 1], lse[b:b + 1], q[b:b + 1], k[b:b + 1], v[b:b + 1], visible)
+
+
+@pytest.mark.parametrize("num_splits", [1, 4], ids=["nosplit", "split"])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("block_size", [64, 128])
+def test_varlen_ragged_batch(block_size, causal, num_splits):
+    """Ragged lengths from 1 to a few thousand, one empty sequence, seqlen_q != seqlen_k."""
+    seed = block_size + 2 * causal + num_splits
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    rng = random.Random(seed)
+    seqlens = [(1, 1), (300, 2500), (0, 700), (1000, 1000), (65, 4097), (129, 129)]
+    heads, heads_k, q_block_size = 8, 2, 128
+    per_seq = [random_qkv(1, sq, sk, heads, heads_k, 64, torch.float16, generator=g) for sq, sk in seqlens]
+    lists = [causal_lists(max(sq, 1) if sq else 0, sk, heads_k, block_size, q_block_size, 0.6, rng) if sq else
+             ([[] for _ in range(heads_k)], [[] for _ in range(heads_k)]) for sq, sk in seqlens]
+    if not causal:  # without the causal mask every listed block is simply visible
+        lists = [([[f + mk for f, mk in zip(fh, mh)] for fh, mh in zip(full, mask)], [[[] for _ in fh] for fh in full])
+                 for full, mask in lists]
+    blocks = pack_varlen_lists([l[0] for l in lists], [l[1] for l in lists], block_size, q_block_size, device="cuda")
+    cu_q = torch.tensor([0] + list(torch.tensor([s[0] for s in seqlens]).cumsum(0)), dtype=torch.int32, device="cuda")
+    cu_k = torch.tensor([0] + list(torch.tensor([s[1] for s in seqlens]).cumsum(0)), dtype=torch.int32, device="cuda")
+    q = torch.cat([x[0][0] for x in per_seq])
+    k = torch.cat([x[1][0] for x in per_seq])
+    v = torch.cat([x[2][0] for x in per_seq])
+    poison_allocator((tuple(q.shape), q.dtype), ((heads, q.shape[0]), torch.float32))
+    out, lse = fas.flash_attn_varlen_with_sparse_blocks(q, k, v, cu_q, cu_k, max(s[0] for s in seqlens),
+                                                        max(s[1] for s in seqlens), blocks, causal=causal,
+                                                        num_splits=num_splits, validate="full")
+    for i, (sq, sk) in enumerate(seqlens):
+        if sq == 0:
+            continue
+        visible = visibility_from_lists(lists[i][0], lists[i][1], block_size, q_block_size, sq, sk, heads,
+                                        causal=causal, device="cuda")
+        rows = slice(int(cu_q[i]), int(cu_q[i + 1]))
+        assert_close_to_reference(out[rows].unsqueeze(0), lse[:, rows], *per_seq[i], visible, lse_layout="hs")
+
+
+@pytest.mark.parametrize("num_splits", [0, 1, 5], ids=["auto", "nosplit", "split"])
+@pytest.mark.parametrize("heads,heads_k", [(8, 2), (8, 1), (32, 8)], ids=["gqa4", "mqa", "gqa4-32"])
+@pytest.mark.parametrize("seqlen_q", [1, 7, 16, 33])
+def test_decode_shaped_causal_per_kv_head_lists(seqlen_q, heads, heads_k, num_splits):
+    """Few query rows per sequence (draft tokens): the query heads of a K/V head are packed into
+    one tile (GQA packing); the causal mask must follow each packed row's position."""
+    seed = seqlen_q * 100 + heads_k + num_splits
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    rng = random.Random(seed)
+    batch, seqlen_k, block_size = 3, 3000, 64
+    q, k, v = random_qkv(batch, seqlen_q, seqlen_k, heads, heads_k, 128, torch.bfloat16, generator=g)
+    per_batch = [causal_lists(seqlen_q, seqlen_k, heads_k, block_size, 128, 0.3, rng) for _ in range(batch)]
+    blocks = SparseBlocks.from_lists([pb[0] for pb in per_batch], [pb[1] for pb in per_batch], block_size=block_size,
+                                     device="cuda")
+    poison_allocator(((batch, seqlen_q, heads, 128), torch.bfloat16), ((batch, heads, seqlen_q), torch.float32))
+    out, lse = fas.flash_attn_with_sparse_block_table(q, k, v, blocks, causal=True, num_splits=num_splits, validate="full")
+    for b in range(batch):
+        visible = visibility_from_lists(per_batch[b][0], per_batch[b][1], block_size, 128, seqlen_q, seqlen_k,
+                                        heads, causal=True, device="cuda")
+        assert_close_to_reference(out[b:b + 1], lse[b:b + 1], q[b:b + 1], k[b:b + 1], v[b:b + 1], visible)
