@@ -16,6 +16,7 @@ mkdir -p "$OUT"
 LOGS="$OUT/logs"
 mkdir -p "$LOGS"
 trap 'tar czf "$OUT/logs.tar.gz" -C "$OUT" logs && rm -rf "$LOGS"' EXIT
+trap 'exit 124' TERM
 export PYTHONUNBUFFERED=1
 SUMMARY="$OUT/summary.txt"
 : > "$SUMMARY"
@@ -62,7 +63,7 @@ for s in $STEPS; do
     bench)
         step bench
         timeout 600 python3 benchmarks/bench_sparse.py --shapes "$BENCH_SHAPES" --json "$OUT/bench.json" --markdown "$OUT/bench.md" > "$LOGS/bench.log" 2>&1
-        note "bench: $(tail -n +3 "$OUT/bench.md" 2>/dev/null | tr '\n' ';')" ;;
+        note "bench: $(wc -l < "$OUT/bench.md" 2>/dev/null) lines in bench.md" ;;
     fullbench)
         step fullbench
         timeout 900 python3 benchmarks/bench_sparse.py --json "$OUT/bench.json" --markdown "$OUT/bench.md" > "$LOGS/bench.log" 2>&1

@@ -65,6 +65,13 @@ struct SparseTileList {
         return pos < seqlen_k ? pos : -1;
     }
 
+    // Key position of list row v when the caller already read the row's block id blk.
+    __forceinline__ __device__ int position_in_block(const int v, const int blk) const {
+        if ((v >> block_size_log2) >= total_cnt || blk < 0 || blk >= num_blocks_k) { return -1; }
+        const int pos = (blk << block_size_log2) + (v & (block_size - 1));
+        return pos < seqlen_k ? pos : -1;
+    }
+
     // Whether list rows [v0, v0 + n) need score masking: a mask block (when causal), a list
     // end, the tail block or an invalid entry inside them. Uniform across the CTA.
     __forceinline__ __device__ bool needs_mask(const int v0, const int n, const bool is_causal) const {
@@ -387,9 +394,19 @@ inline __device__ void compute_attn_1rowblock_sparse(const Params &params, const
     // Key positions of this thread's copy rows for one tile; K and V of a tile share them.
     constexpr int kRowsPerThread = decltype(size<1>(tKgK0))::value;
     auto tile_positions = [&](const int tile, int (&positions)[kRowsPerThread]) {
-        #pragma unroll
-        for (int m = 0; m < kRowsPerThread; ++m) {
-            positions[m] = list.position(tile * kBlockN + get<0>(tKVcKV(0, m, 0)));
+        if (list.block_size >= kBlockN) {
+            // The whole tile lies in one logical block: one list read for all rows.
+            const int e = (tile * kBlockN) >> list.block_size_log2;
+            const int blk = e < list.total_cnt ? list.block(e) : -1;
+            #pragma unroll
+            for (int m = 0; m < kRowsPerThread; ++m) {
+                positions[m] = list.position_in_block(tile * kBlockN + get<0>(tKVcKV(0, m, 0)), blk);
+            }
+        } else {
+            #pragma unroll
+            for (int m = 0; m < kRowsPerThread; ++m) {
+                positions[m] = list.position(tile * kBlockN + get<0>(tKVcKV(0, m, 0)));
+            }
         }
     };
     auto key_rows = [&](const int (&positions)[kRowsPerThread], const index_t row_stride) {
