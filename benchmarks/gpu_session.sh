@@ -60,6 +60,14 @@ for s in $STEPS; do
         note "mutation build: $(grep -o 'in [0-9]* s' "$LOGS/mutation-build.log" | tail -1)"
         rm -rf /tmp/site-mutant && python3 -m pip install -q --no-deps --no-index --target /tmp/site-mutant "$mutant"
         PYTHONPATH=/tmp/site-mutant run_tests mutant tests/test_stage3_sparse_fa2.py -k "permuted or tail_block_in_the_middle" ;;
+    sanitize)
+        for tool in memcheck racecheck initcheck; do
+            step "sanitize $tool"
+            timeout 100 compute-sanitizer --tool $tool --print-limit 10 python3 tests/sanitize_cases.py > "$LOGS/sanitize-$tool.log" 2>&1
+            note "sanitize $tool: exit $?, $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY' "$LOGS/sanitize-$tool.log" | tail -1)"
+        done ;;
+    reliability)
+        run_tests reliability tests/test_reliability_gpu.py ;;
     bench)
         step bench
         timeout 600 python3 benchmarks/bench_sparse.py --shapes "$BENCH_SHAPES" --json "$OUT/bench.json" --markdown "$OUT/bench.md" > "$LOGS/bench.log" 2>&1

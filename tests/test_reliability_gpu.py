@@ -66,7 +66,7 @@ def test_one_million_keys(num_splits):
     seqlen_k, block_size = 1 << 20, 128
     q, k, v = random_qkv(1, 4, seqlen_k, 8, 8, 128, torch.bfloat16, generator=g)
     n_blocks = seqlen_k // block_size
-    blocks = [n_blocks - 1, 0, n_blocks // 2, n_blocks - 7, 12345, 8000]
+    blocks = [n_blocks - 1, 0, n_blocks // 2, n_blocks - 7, 4321, 8000]
     table = torch.tensor(blocks, dtype=torch.int32, device="cuda")
     out, lse = fas.flash_attn_with_sparse_block_table(q, k, v, table, num_splits=num_splits)
     ref_out, ref_lse = attention_over_blocks(q, k, v, blocks, block_size, dtype=torch.float32)

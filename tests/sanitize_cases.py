@@ -1,0 +1,52 @@
+"""Adversarial valid calls of every sparse kernel, small enough for compute-sanitizer.
+
+Run as `compute-sanitizer --tool memcheck python tests/sanitize_cases.py` (nox -s sanitize runs
+memcheck, racecheck and initcheck): non-split, split, GQA-packed, varlen, partials + combine,
+over lists that are empty, one block, the tail block only, every block, and as long as the row.
+"""
+
+import torch
+
+import flash_attn_sparse as fas
+from flash_attn_sparse import SparseBlocks
+from flash_attn_sparse.metadata import pack_varlen_lists
+
+
+def main():
+    g = torch.Generator(device="cuda").manual_seed(0)
+    randn = lambda *shape: torch.randn(*shape, generator=g, device="cuda").bfloat16()
+    batch, seqlen_q, seqlen_k, heads, heads_k, dim, block = 2, 16, 1000, 4, 2, 128, 64
+    q, k, v = randn(batch, seqlen_q, heads, dim), randn(batch, seqlen_k, heads_k, dim), randn(batch, seqlen_k, heads_k, dim)
+    n_blocks = -(-seqlen_k // block)
+    tables = {"empty": [], "one": [3], "tail only": [n_blocks - 1], "every": list(range(n_blocks))[::-1]}
+    for name, blocks in tables.items():
+        table = torch.tensor(blocks, dtype=torch.int32, device="cuda")
+        for num_splits in (1, 3):
+            fas.flash_attn_with_sparse_block_table(q, k, v, table, block_size=block, num_splits=num_splits)
+        print(f"batched {name}: ok", flush=True)
+    # Per-(batch, head) lists at full row length, long queries (no packing), causal mask blocks.
+    q_long = randn(batch, 200, heads, dim)
+    full = [[[list(range(0, 6)), list(range(2, 9))] for _ in range(heads_k)] for _ in range(batch)]
+    mask = [[[[14, 15], [15]] for _ in range(heads_k)] for _ in range(batch)]
+    blocks = SparseBlocks.from_lists(full, mask, block_size=block, q_block_size=128, device="cuda")
+    for num_splits in (1, 2):
+        fas.flash_attn_with_sparse_block_table(q_long, k, v, blocks, causal=True, num_splits=num_splits)
+    print("per-tile causal: ok", flush=True)
+    # Varlen with an empty sequence.
+    seqlens = [(5, 300), (0, 100), (130, 700)]
+    cu_q = torch.tensor([0, 5, 5, 135], dtype=torch.int32, device="cuda")
+    cu_k = torch.tensor([0, 300, 400, 1100], dtype=torch.int32, device="cuda")
+    lists = [[[[0, 4]] for _ in range(heads_k)], [[] for _ in range(heads_k)], [[[1, 10], [10]] for _ in range(heads_k)]]
+    vblocks = pack_varlen_lists(lists, None, block, 128, device="cuda")
+    qv, kv, vv = randn(135, heads, dim), randn(1100, heads_k, dim), randn(1100, heads_k, dim)
+    for num_splits in (1, 2):
+        fas.flash_attn_varlen_with_sparse_blocks(qv, kv, vv, cu_q, cu_k, 130, 700, vblocks, num_splits=num_splits)
+    print("varlen: ok", flush=True)
+    parts = fas.flash_attn_sparse_partials(q, k, v, [torch.tensor(t, dtype=torch.int32, device="cuda") for t in ([1, 2], [], [7])], block_size=block)
+    fas.flash_attn_combine(*parts)
+    print("partials + combine: ok", flush=True)
+    torch.cuda.synchronize()
+
+
+if __name__ == "__main__":
+    main()
