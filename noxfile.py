@@ -64,3 +64,15 @@ def test(session: nox.Session) -> None:
 def review(session: nox.Session) -> None:
     """Review a stage: its notes, its patches' diffstat, its tests (nox -s review -- N)."""
     _forktools(session, "review")
+
+
+@nox.session
+def bench(session: nox.Session) -> None:
+    """Benchmark against SDPA, FlexAttention and FA-2 dense on a GPU; writes benchmarks/results/."""
+    session.run(sys.executable, "benchmarks/bench_sparse.py", "--out", "benchmarks/results", *session.posargs)
+
+
+@nox.session
+def sanitize(session: nox.Session) -> None:
+    """Run compute-sanitizer (memcheck, racecheck, initcheck) over the sparse kernels on a GPU."""
+    session.run(sys.executable, "tests/sanitize.py", *session.posargs)

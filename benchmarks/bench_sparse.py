@@ -7,7 +7,8 @@ as decode is served; plain launches where a method cannot be captured), effectiv
 KV head, plus Q and O) and the fraction of the roofline measured in the same run (copy bandwidth,
 bf16 matmul rate). Lists rotate between calls so the listed blocks are not served from L2.
 
-    python benchmarks/bench_sparse.py [--shapes "B8 Sq16,prefill"] [--json PATH] [--markdown PATH]
+    python benchmarks/bench_sparse.py [--shapes "B8 Sq16,prefill"] [--out benchmarks/results]
+    (nox -s bench): writes <date>-<gpu>-<commit>.json / .md / .png into --out.
 """
 
 import argparse
@@ -210,9 +211,14 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--shapes", help="comma-separated substrings of shape names to run (default: all)")
     parser.add_argument("--methods", default="fa2_sparse,fa2_dense,speculative,sdpa,flex")
+    parser.add_argument("--out", type=Path, help="folder for <date>-<gpu>-<commit>.json, .md and .png")
     parser.add_argument("--json", type=Path)
     parser.add_argument("--markdown", type=Path)
     args = parser.parse_args()
+    if args.out:
+        args.out.mkdir(parents=True, exist_ok=True)
+        stem = f"{time.strftime('%Y-%m-%d')}-{torch.cuda.get_device_name().split()[-1].lower()}-{source_commit()}"
+        args.json, args.markdown = args.out / f"{stem}.json", args.out / f"{stem}.md"
     methods = set(args.methods.split(","))
     shapes = DECODE + PREFILL
     if args.shapes:
@@ -226,6 +232,18 @@ def main():
         bench_shape(shape, roofline, rows, methods)
         write_results(args, roofline, rows)  # after every shape, so a cut-short run keeps its rows
     print(markdown_table(rows))
+
+
+def source_commit() -> str:
+    """The commit benchmarked: git's, or .commit where the tree was copied without .git."""
+    import subprocess
+    root = Path(__file__).resolve().parent.parent
+    try:
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True, text=True,
+                              check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        marker = root / ".commit"
+        return marker.read_text().strip() if marker.exists() else "unknown"
 
 
 def markdown_table(rows):
@@ -242,6 +260,12 @@ def write_results(args, roofline, rows):
         args.json.write_text(json.dumps(result, indent=1))
     if args.markdown:
         args.markdown.write_text(markdown_table(rows))
+    if args.json and rows:
+        try:
+            from plot_results import plot
+            plot(args.json)
+        except ImportError:  # matplotlib is optional
+            pass
 
 
 if __name__ == "__main__":

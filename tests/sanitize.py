@@ -1,9 +1,14 @@
-"""Adversarial valid calls of every sparse kernel, small enough for compute-sanitizer.
+"""compute-sanitizer over every sparse kernel: `python tests/sanitize.py` (nox -s sanitize).
 
-Run as `compute-sanitizer --tool memcheck python tests/sanitize_cases.py` (nox -s sanitize runs
-memcheck, racecheck and initcheck): non-split, split, GQA-packed, varlen, partials + combine,
-over lists that are empty, one block, the tail block only, every block, and as long as the row.
+Runs memcheck, racecheck and initcheck, each over this file's --cases: adversarial valid calls
+(lists that are empty, one block, the tail block only, every block, as long as the row) of the
+non-split, split, GQA-packed, varlen and partials + combine paths, small enough for the tools.
+Prints one summary line per tool and exits non-zero if any reports an error.
 """
+
+import re
+import subprocess
+import sys
 
 import torch
 
@@ -12,7 +17,7 @@ from flash_attn_sparse import SparseBlocks
 from flash_attn_sparse.metadata import pack_varlen_lists
 
 
-def main():
+def cases():
     g = torch.Generator(device="cuda").manual_seed(0)
     randn = lambda *shape: torch.randn(*shape, generator=g, device="cuda").bfloat16()
     batch, seqlen_q, seqlen_k, heads, heads_k, dim, block = 2, 16, 1000, 4, 2, 128, 64
@@ -48,5 +53,24 @@ def main():
     torch.cuda.synchronize()
 
 
+def sanitize() -> int:
+    failed = 0
+    for tool in ("memcheck", "racecheck", "initcheck"):
+        run = subprocess.run(["compute-sanitizer", "--tool", tool, "--print-limit", "10", sys.executable, __file__, "--cases"],
+                             capture_output=True, text=True)
+        summary = [line for line in run.stdout.splitlines() if re.search(r"(ERROR|RACECHECK) SUMMARY", line)]
+        clean = run.returncode == 0 and summary and re.search(r" 0 (errors|hazards)", summary[-1])
+        failed += not clean
+        print(f"{tool}: {'clean' if clean else 'FOUND ERRORS'}: {summary[-1].strip('= ') if summary else run.stdout[-500:]}")
+        if not clean:
+            first = next((line for line in run.stdout.splitlines() if "=========" in line and "SUMMARY" not in line
+                          and "COMPUTE-SANITIZER" not in line), "")
+            print(f"  first report: {first.strip('= ')}")
+    return 1 if failed else 0
+
+
 if __name__ == "__main__":
-    main()
+    if "--cases" in sys.argv:
+        cases()
+    else:
+        sys.exit(sanitize())
