@@ -18,8 +18,8 @@ nox.options.default_venv_backend = "none"
 nox.options.sessions = ["test"]
 
 
-def _forktools(session: nox.Session, command: str) -> None:
-    code = main([command, *session.posargs])
+def _forktools(session: nox.Session, command: str, *options: str) -> None:
+    code = main([command, *options, *session.posargs])
     if code:
         session.error(f"forktools {command} failed (exit {code})")
 
@@ -50,8 +50,8 @@ def check_patches(session: nox.Session) -> None:
 
 @nox.session
 def build(session: nox.Session) -> None:
-    """Build wheels into dist/ ([--profile dev|full] [--arch 90] [--jobs N] [--reuse])."""
-    _forktools(session, "build")
+    """Build the patched wheel into dist/ and install it ([--profile dev|full] [--arch 90] [--jobs N] [--reuse])."""
+    _forktools(session, "build", "--install")
 
 
 @nox.session

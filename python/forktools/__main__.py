@@ -36,7 +36,7 @@ def _check_patches(layout: Layout, args: argparse.Namespace) -> int:
 
 def _build(layout: Layout, args: argparse.Namespace) -> int:
     build.build(layout, profile=args.profile, archs=args.archs, jobs=args.jobs, reuse=args.reuse,
-                mutations=args.mutations)
+                mutations=args.mutations, install=args.install)
     return 0
 
 
@@ -84,6 +84,7 @@ def _parser() -> argparse.ArgumentParser:
     command.add_argument("--reuse", action="store_true", help="return the wheel in dist/ if this exact source was built")
     command.add_argument("--mutation", dest="mutations", action="append", default=[], type=Path, metavar="PATCH",
                          help="apply a defect on top, to check that the tests catch it (tests/mutations/)")
+    command.add_argument("--install", action="store_true", help="pip-install the wheel into this Python afterwards")
     command.set_defaults(run=_build)
 
     command = commands.add_parser("review", help="show a stage's notes and patches, run its tests")

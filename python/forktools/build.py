@@ -43,7 +43,7 @@ NINJA_PROGRESS = re.compile(r"^\[(\d+)/(\d+)\]")
 
 
 def build(layout: Layout, profile: str = "dev", archs: list[str] | None = None,
-          jobs: int | None = None, reuse: bool = False, mutations: list[Path] = ()) -> Path:
+          jobs: int | None = None, reuse: bool = False, mutations: list[Path] = (), install: bool = False) -> Path:
     """Build the wheel into layout.root / "dist" and return its path.
 
     profile: "dev" or "full" (see the module docstring). archs: compute capabilities, e.g.
@@ -52,6 +52,7 @@ def build(layout: Layout, profile: str = "dev", archs: list[str] | None = None,
     without building.
     mutations: diffs applied on top of the patched tree, to check that the tests catch the
     defect they plant (tests/mutations/); the version label ends in `.mutant`.
+    install: pip-install the wheel (without dependencies) into the running Python afterwards.
     """
     if profile not in PROFILES:
         raise ToolError(f"unknown profile {profile!r}; choose one of {', '.join(PROFILES)}")
@@ -62,6 +63,8 @@ def build(layout: Layout, profile: str = "dev", archs: list[str] | None = None,
         existing = sorted(dist.glob(f"flash_attn-*+{label}-*.whl"))
         if existing:
             print(f"build: reusing {existing[-1].relative_to(layout.root)}")
+            if install:
+                install_wheel(existing[-1])
             return existing[-1]
     stage = layout.root / "build" / "wheel" / UPSTREAM
     relay_tree(layout, stage)
@@ -93,7 +96,16 @@ def build(layout: Layout, profile: str = "dev", archs: list[str] | None = None,
         raise ToolError(f"the build finished but no wheel with version label {label} is in {dist}")
     size_mb = wheels[-1].stat().st_size / 1e6
     print(f"build: {wheels[-1].relative_to(layout.root)} ({size_mb:.1f} MB) in {elapsed:.0f} s")
+    if install:
+        install_wheel(wheels[-1])
     return wheels[-1]
+
+
+def install_wheel(wheel: Path) -> None:
+    command = [sys.executable, "-m", "pip", "install", "--no-deps", "--force-reinstall", "--no-index", str(wheel)]
+    if subprocess.call(command):
+        raise ToolError(f"could not install {wheel}")
+    print(f"build: installed {wheel.name} into {sys.prefix}")
 
 
 def source_hash(layout: Layout, profile: str, archs: list[str], mutations: list[Path] = ()) -> str:
