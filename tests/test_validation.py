@@ -9,6 +9,7 @@ import torch
 
 import flash_attn_sparse as fas
 from flash_attn_sparse import SparseBlocks, SparseInputError
+from flash_attn_sparse.metadata import pack_varlen_lists
 
 pytestmark = pytest.mark.stage5
 
@@ -42,6 +43,25 @@ def call(q=None, k=None, v=None, blocks=None, **kwargs):
 def full_check(blocks, causal=False, **shapes):
     q, k, v = qkv(**shapes)
     return fas.flash_attn_with_sparse_block_table(q, k, v, blocks, causal=causal, validate="full")
+
+
+def varlen_call(blocks=None, cu_seqlens_q=None, **kwargs):
+    """Two sequences (q 5 and 130 rows, k 300 and 700 keys), packed."""
+    g = torch.Generator().manual_seed(1)
+    q = torch.randn(135, H, D, generator=g).bfloat16()
+    k = torch.randn(1000, HK, D, generator=g).bfloat16()
+    cu_q = torch.tensor([0, 5, 135], dtype=torch.int32) if cu_seqlens_q is None else cu_seqlens_q
+    cu_k = torch.tensor([0, 300, 1000], dtype=torch.int32)
+    if blocks is None:
+        blocks = pack_varlen_lists([[[[0, 1]] for _ in range(HK)], [[[2], [5]] for _ in range(HK)]], None, BS, 128)
+    return fas.flash_attn_varlen_with_sparse_blocks(q, k, torch.randn_like(k), cu_q, cu_k, 130, 700, blocks, **kwargs)
+
+
+def with_offsets(cu_total_m_blocks, cu_block_idx_offsets):
+    good = pack_varlen_lists([[[[0, 1]] for _ in range(HK)], [[[2], [5]] for _ in range(HK)]], None, BS, 128)
+    return SparseBlocks(good.full_cnt, good.full_idx, block_size=BS, q_block_size=128,
+                        cu_total_m_blocks=torch.tensor(cu_total_m_blocks, dtype=torch.int32),
+                        cu_block_idx_offsets=torch.tensor(cu_block_idx_offsets, dtype=torch.int32))
 
 
 BAD_CALLS = {
@@ -84,6 +104,11 @@ BAD_CALLS = {
     "partials: no groups": (lambda: fas.flash_attn_sparse_partials(*qkv(), []), "block_groups"),
     "speculative: k_spec not 4-D": (lambda: fas.flash_attn_speculative_sparse(*qkv()[:1], qkv()[1][0], qkv()[2][0], *qkv()[1:], table(0)), "k_spec"),
     "zero-copy: spec table int64": (lambda: fas.flash_attn_speculative_sparse_zero_copy(*qkv(), table(7, dtype=torch.int64), table(0)), "spec_block_table"),
+    "varlen: cu_seqlens_q int64": (lambda: varlen_call(cu_seqlens_q=torch.tensor([0, 5, 135])), "cu_seqlens_q"),
+    "varlen: batched lists": (lambda: varlen_call(blocks=lists()), "blocks"),
+    "varlen: offsets of the wrong length": (lambda: varlen_call(blocks=with_offsets([0, 1], [0, 2])), "cu_total_m_blocks"),
+    "varlen: tiles disagree with cu_seqlens_q (full check)": (lambda: varlen_call(blocks=with_offsets([0, 2, 3], [0, 4, 6]), validate="full"), "cu_total_m_blocks"),
+    "varlen: offsets not a multiple of the tiles (full check)": (lambda: varlen_call(blocks=with_offsets([0, 1, 3], [0, 2, 5]), validate="full"), "cu_block_idx_offsets"),
     "q on the CPU": (lambda: call(), "q"),
 }
 
