@@ -7,7 +7,7 @@ import torch
 from torch import Tensor
 
 from . import ops
-from .metadata import (SparseBlocks, SparseInputError, cdiv, exhaustive_validation_requested, fail,
+from .metadata import (BLOCK_SIZES, SparseBlocks, cdiv, exhaustive_validation_requested, fail,
                        validate_block_contents, validate_blocks)
 
 BlockTable = Union[Tensor, SparseBlocks]
@@ -104,8 +104,8 @@ def _as_blocks(table: BlockTable, block_size: int, batch: int, name: str) -> Spa
         fail(name, f"must be a 1-D int32 tensor or SparseBlocks, got {type(table).__name__}")
     if table.dtype != torch.int32:
         fail(name, f"must have dtype torch.int32, got {table.dtype}")
-    if block_size not in (16, 32, 64, 128, 256):
-        fail("block_size", f"must be one of (16, 32, 64, 128, 256), got {block_size}")
+    if block_size not in BLOCK_SIZES:
+        fail("block_size", f"must be one of {BLOCK_SIZES}, got {block_size}")
     return SparseBlocks.from_block_table(table, block_size, batch_size=batch)
 
 
@@ -274,7 +274,7 @@ def flash_attn_combine(out_partials: Tensor, lse_partials: Tensor, out_dtype: to
     if out_dtype not in (torch.float16, torch.bfloat16):
         fail("out_dtype", f"must be float16 or bfloat16, got {out_dtype}")
     head_dim = out_partials.shape[-1] if head_dim is None else head_dim
-    if ops._head_dim_rounded(head_dim) != out_partials.shape[-1]:
+    if ops.head_dim_rounded(head_dim) != out_partials.shape[-1]:
         fail("head_dim", f"{head_dim} does not round to the partials' last dim {out_partials.shape[-1]}")
     for name, t in (("out_partials", out_partials), ("lse_partials", lse_partials)):
         if t.device.type != "cuda":

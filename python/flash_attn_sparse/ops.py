@@ -15,7 +15,8 @@ def _cuda_module():
     return flash_attn_2_cuda
 
 
-def _head_dim_rounded(head_dim: int) -> int:
+def head_dim_rounded(head_dim: int) -> int:
+    """The head dim the kernels pad partials to (what flash_api_sparse.cpp calls d_rounded)."""
     multiple = 32 if head_dim <= 128 else 64
     return (head_dim + multiple - 1) // multiple * multiple
 
@@ -94,6 +95,6 @@ def _combine_outputs(out_partial: Tensor, out_dtype: torch.dtype, head_dim: int,
 
 def partial_buffers(num_slots: int, batch: int, heads: int, seqlen_q: int, head_dim: int, device) -> Tuple[Tensor, Tensor]:
     """Uninitialised fp32 partial buffers in the layout the kernels and the combine use."""
-    out_partial = torch.empty((num_slots, batch, heads, seqlen_q, _head_dim_rounded(head_dim)), dtype=torch.float32, device=device)
+    out_partial = torch.empty((num_slots, batch, heads, seqlen_q, head_dim_rounded(head_dim)), dtype=torch.float32, device=device)
     lse_partial = torch.empty((num_slots, batch, heads, seqlen_q), dtype=torch.float32, device=device)
     return out_partial, lse_partial
