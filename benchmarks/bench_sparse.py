@@ -13,11 +13,10 @@ bf16 matmul rate). Lists rotate between calls so the listed blocks are not serve
 
 import argparse
 import json
-import math
 import random
 import sys
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
@@ -64,7 +63,6 @@ def measure_roofline():
     dst = torch.empty_like(src)
     ms = do_bench(lambda: dst.copy_(src), warmup=25, rep=200, return_mode="median")
     copy_tbps = 2 * src.numel() * 2 / (ms * 1e-3) / 1e12
-    del src, dst
     a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
     b = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
     ms = do_bench(lambda: a @ b, warmup=25, rep=200, return_mode="median")

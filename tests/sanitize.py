@@ -38,7 +38,7 @@ def cases():
         fas.flash_attn_with_sparse_block_table(q_long, k, v, blocks, causal=True, num_splits=num_splits)
     print("per-tile causal: ok", flush=True)
     # Varlen with an empty sequence.
-    seqlens = [(5, 300), (0, 100), (130, 700)]
+    # Sequences (q, k): (5, 300), (0, 100), (130, 700).
     cu_q = torch.tensor([0, 5, 5, 135], dtype=torch.int32, device="cuda")
     cu_k = torch.tensor([0, 300, 400, 1100], dtype=torch.int32, device="cuda")
     lists = [[[[0, 4]] for _ in range(heads_k)], [[] for _ in range(heads_k)], [[[1, 10], [10]] for _ in range(heads_k)]]

@@ -5,7 +5,6 @@ steps densely instead of following the list fails), the partial tail block anywh
 single-block, all-blocks, tail-only and empty lists, over both kernels (split forced and not).
 """
 
-import itertools
 import random
 
 import pytest
