@@ -1,10 +1,11 @@
-"""Build the patched flash_attn wheel into dist/.
+"""Build the patched flash_attn wheel into dist/, and beside it the patched flash-attn-4 one.
 
 The wheel is compiled from a plain patched copy of flash-attn (the committed series plus the
 overlay, as `apply --no-git` lays it) kept in build/wheel/flash-attn. Each build re-lays that copy
 file by file, rewriting only files whose content changed, so ninja recompiles only what a change
 touched. The wheel's local version, `+sparse.<hash>.<profile>`, names the exact series, overlay,
-Python package, profile and archs it was built from.
+Python package, profile and archs it was built from. The flash-attn-4 wheel (pure Python, the
+`[hopper]` extra's package with the stage-4 patches) is written by forktools.wheel_fa4.
 
 Profiles:
 - dev: head dims 64 and 128, fp16 and bf16, forward only, no dropout/alibi/softcap/local/uneven
@@ -24,7 +25,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from forktools import ToolError, overlay, patchfile, series
+from forktools import ToolError, overlay, patchfile, series, wheel_fa4
 from forktools.layout import Layout
 
 UPSTREAM = "flash-attn"
@@ -52,13 +53,16 @@ def build(layout: Layout, profile: str = "dev", archs: list[str] | None = None,
     without building.
     mutations: diffs applied on top of the patched tree, to check that the tests catch the
     defect they plant (tests/mutations/); the version label ends in `.mutant`.
-    install: pip-install the wheel (without dependencies) into the running Python afterwards.
+    install: pip-install the wheels (without dependencies) into the running Python afterwards.
     """
     if profile not in PROFILES:
         raise ToolError(f"unknown profile {profile!r}; choose one of {', '.join(PROFILES)}")
     archs = archs or PROFILES[profile]["archs"]
     label = f"sparse.{source_hash(layout, profile, archs, mutations)}.{profile}" + (".mutant" if mutations else "")
     dist = layout.root / "dist"
+    fa4_wheel = wheel_fa4.build(layout)
+    if install:
+        install_wheel(fa4_wheel)
     if reuse:
         existing = sorted(dist.glob(f"flash_attn-*+{label}-*.whl"))
         if existing:
