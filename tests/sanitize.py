@@ -2,7 +2,7 @@
 
 Runs memcheck, racecheck and initcheck, each over this file's --cases: adversarial valid calls
 (lists that are empty, one block, the tail block only, every block, as long as the row) of the
-non-split, split, GQA-packed, varlen and partials + combine paths, small enough for the tools.
+non-split, split, GQA-packed, paged, varlen and partials + combine paths, small enough for the tools.
 Prints one summary line per tool and exits non-zero if any reports an error.
 """
 
@@ -47,6 +47,22 @@ def cases():
     for num_splits in (1, 2):
         fas.flash_attn_varlen_with_sparse_blocks(qv, kv, vv, cu_q, cu_k, 130, 700, vblocks, num_splits=num_splits)
     print("varlen: ok", flush=True)
+    # Paged K/V: permuted pages smaller and larger than the block, seqused_k short of the table
+    # (the unused entries name no page), causal mask blocks, split and not.
+    for page in (16, 128):
+        n_cols = -(-seqlen_k // page)
+        perm = torch.randperm(batch * n_cols + 3, generator=torch.Generator().manual_seed(page)).cuda()
+        page_table = perm[:batch * n_cols].view(batch, n_cols).to(torch.int32).contiguous()
+        seqused_k = torch.tensor([seqlen_k, seqlen_k - page - 5], dtype=torch.int32, device="cuda")
+        page_table[1, -1] = -1
+        k_cache = randn(perm.numel(), page, heads_k, dim)
+        v_cache = randn(perm.numel(), page, heads_k, dim)
+        for num_splits in (1, 3):
+            fas.flash_attn_with_sparse_block_table(q, k_cache, v_cache, blocks, causal=True, num_splits=num_splits,
+                                                   seqused_k=seqused_k, page_table=page_table)
+            fas.flash_attn_with_sparse_block_table(q_long, k_cache, v_cache, blocks, causal=True, num_splits=num_splits,
+                                                   seqused_k=seqused_k, page_table=page_table)
+    print("paged: ok", flush=True)
     parts = fas.flash_attn_sparse_partials(q, k, v, [torch.tensor(t, dtype=torch.int32, device="cuda") for t in ([1, 2], [], [7])], block_size=block)
     fas.flash_attn_combine(*parts)
     print("partials + combine: ok", flush=True)

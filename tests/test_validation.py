@@ -64,6 +64,44 @@ def with_offsets(cu_total_m_blocks, cu_block_idx_offsets):
                         cu_block_idx_offsets=torch.tensor(cu_block_idx_offsets, dtype=torch.int32))
 
 
+PAGES, PAGE = 40, 64  # paged caches: 40 pages of 64 keys; each sequence's table row names 16 pages
+
+
+def paged_call(page_table=None, k=None, v=None, page_size=PAGE, blocks=None, block_size=BS, **kwargs):
+    q = qkv()[0]
+    g = torch.Generator().manual_seed(2)
+    if k is None:
+        k = torch.randn(PAGES, page_size, HK, D, generator=g).bfloat16()
+    if v is None:
+        v = torch.randn(PAGES, page_size, HK, D, generator=g).bfloat16()
+    if page_table is None:
+        page_table = torch.randperm(PAGES, generator=g)[:2 * 16].view(2, 16).to(torch.int32)
+    blocks = table(0, 2, 5) if blocks is None else blocks
+    return fas.flash_attn_with_sparse_block_table(q, k, v, blocks, block_size=block_size, page_table=page_table, **kwargs)
+
+
+def paged_varlen_call():
+    """Varlen and paged together: only reachable through the internal call object."""
+    from flash_attn_sparse.interface import _Call
+    g = torch.Generator().manual_seed(1)
+    q = torch.randn(135, H, D, generator=g).bfloat16()
+    k = torch.randn(PAGES, PAGE, HK, D, generator=g).bfloat16()
+    blocks = pack_varlen_lists([[[[0, 1]] for _ in range(HK)], [[[2], [5]] for _ in range(HK)]], None, BS, 128)
+    return _Call(q, k, torch.randn_like(k), blocks, causal=False, softmax_scale=None,
+                 cu_seqlens_q=torch.tensor([0, 5, 135], dtype=torch.int32), cu_seqlens_k=torch.tensor([0, 300, 1000], dtype=torch.int32),
+                 max_seqlen_q=130, max_seqlen_k=700, page_table=torch.zeros(2, 16, dtype=torch.int32))
+
+
+def interleaved_kv(page_size=PAGE):
+    kv = torch.randn(PAGES, 2, page_size, HK, D).bfloat16()
+    return kv[:, 0], kv[:, 1]
+
+
+def padded_pages():
+    """Pages 8 elements apart beyond their rows: a page stride that is no whole number of rows."""
+    return torch.randn(PAGES, PAGE * HK * D + 8).bfloat16()[:, :PAGE * HK * D].view(PAGES, PAGE, HK, D)
+
+
 BAD_CALLS = {
     "q dtype float32": (lambda: call(q=qkv()[0].float()), "q"),
     "k dtype differs": (lambda: call(k=qkv(torch.float16)[1]), "k"),
@@ -109,6 +147,22 @@ BAD_CALLS = {
     "varlen: offsets of the wrong length": (lambda: varlen_call(blocks=with_offsets([0, 1], [0, 2])), "cu_total_m_blocks"),
     "varlen: tiles disagree with cu_seqlens_q (full check)": (lambda: varlen_call(blocks=with_offsets([0, 2, 3], [0, 4, 6]), validate="full"), "cu_total_m_blocks"),
     "varlen: offsets not a multiple of the tiles (full check)": (lambda: varlen_call(blocks=with_offsets([0, 1, 3], [0, 2, 5]), validate="full"), "cu_block_idx_offsets"),
+    "paged: page_table int64": (lambda: paged_call(page_table=torch.zeros(2, 16, dtype=torch.int64)), "page_table"),
+    "paged: page_table not a tensor": (lambda: paged_call(page_table=[[0, 1]] * 2), "page_table"),
+    "paged: page_table on another device": (lambda: paged_call(page_table=torch.zeros(2, 16, dtype=torch.int32, device="meta")), "page_table"),
+    "paged: page_table 1-D": (lambda: paged_call(page_table=torch.zeros(32, dtype=torch.int32)), "page_table"),
+    "paged: page_table batch differs from q": (lambda: paged_call(page_table=torch.zeros(3, 16, dtype=torch.int32)), "page_table"),
+    "paged: page_table last dim not contiguous": (lambda: paged_call(page_table=torch.zeros(16, 2, dtype=torch.int32).t()), "page_table"),
+    "paged: varlen with a page_table": (paged_varlen_call, "page_table"),
+    "paged: page size not a multiple of 16": (lambda: paged_call(page_size=40, block_size=128), "k"),
+    "paged: page and block sizes do not divide": (lambda: paged_call(page_size=48, block_size=32, blocks=table(0, 2)), "k"),
+    "paged: v's page stride differs from k's": (lambda: paged_call(k=interleaved_kv()[0]), "v"),
+    "paged: k's page stride not a multiple of its row stride": (lambda: paged_call(k=padded_pages(), v=padded_pages()), "k"),
+    "paged: page id past the cache (full check)": (lambda: paged_call(page_table=torch.full((2, 16), PAGES, dtype=torch.int32), validate="full"), "page_table"),
+    "paged: negative page id (full check)": (lambda: paged_call(page_table=torch.full((2, 16), -1, dtype=torch.int32), validate="full"), "page_table"),
+    "paged: seqused_k past the table (full check)": (lambda: paged_call(seqused_k=torch.tensor([16 * PAGE + 1, 5], dtype=torch.int32), validate="full"), "seqused_k"),
+    "seqused_k past the keys (full check)": (lambda: call(seqused_k=torch.tensor([SK + 1, 5], dtype=torch.int32), validate="full"), "seqused_k"),
+    "seqused_k int64": (lambda: call(seqused_k=torch.tensor([5, 5])), "seqused_k"),
     "q on the CPU": (lambda: call(), "q"),
 }
 
@@ -146,3 +200,20 @@ def test_valid_lists_pass_full_validation_before_the_device_check():
     causal_ok = SparseBlocks.from_block_table(table(0, 2, 5), BS, B)
     with pytest.raises(SparseInputError, match="^q: must be on a CUDA device"):
         fas.flash_attn_with_sparse_block_table(q, k, v, causal_ok, causal=True, validate="full")
+
+
+@pytest.mark.parametrize("page_size,block_size", [(16, 128), (64, 64), (256, 64), (48, 16)])
+def test_valid_paged_calls_pass_every_check_before_the_device_check(page_size, block_size):
+    """Pages of any size that divides or is a multiple of the block size, an unrelated number of
+    pages, seqused_k short of the table, unused table entries out of range, interleaved K/V."""
+    g = torch.Generator().manual_seed(page_size)
+    n_cols = -(-1000 // page_size)
+    pages = 2 * n_cols + 3
+    page_table = torch.randperm(pages, generator=g)[:2 * n_cols].view(2, n_cols).to(torch.int32)
+    page_table[1, -1] = -1  # past seqused_k[1]: never read, so not checked
+    seqused_k = torch.tensor([1000, 1000 - page_size], dtype=torch.int32)
+    kv = torch.randn(pages, 2, page_size, HK, D, generator=g).bfloat16()
+    blocks = table(0, 2, (1000 - page_size - 1) // block_size)
+    with pytest.raises(SparseInputError, match="^q: must be on a CUDA device"):
+        fas.flash_attn_with_sparse_block_table(qkv()[0], kv[:, 0], kv[:, 1], blocks, block_size=block_size, seqused_k=seqused_k,
+                                               page_table=page_table, validate="full")

@@ -61,7 +61,7 @@ def _auto_num_splits(q: Tensor, batch: int, tile_heads: int, tile_rows: int, lis
     return choose_num_splits(batch * tile_heads * cdiv(tile_rows, KERNEL_ROWS), 2 * _num_sms(q.device.index or 0), max(tiles, 1))
 
 
-def _check_qkv(q: Tensor, k: Tensor, v: Tensor, varlen: bool) -> Tuple[Tensor, Tensor, Tensor]:
+def _check_qkv(q: Tensor, k: Tensor, v: Tensor, varlen: bool, paged: bool = False) -> Tuple[Tensor, Tensor, Tensor]:
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, Tensor):
             fail(name, f"must be a tensor, got {type(t).__name__}")
@@ -81,7 +81,7 @@ def _check_qkv(q: Tensor, k: Tensor, v: Tensor, varlen: bool) -> Tuple[Tensor, T
         fail("k", f"head_dim must be q's {head_dim}, got {k.shape[-1]}")
     if heads % heads_k:
         fail("k", f"num_heads_k={heads_k} must divide num_heads={heads}")
-    if not varlen and k.shape[0] != q.shape[0]:
+    if not varlen and not paged and k.shape[0] != q.shape[0]:
         fail("k", f"batch must be q's {q.shape[0]}, got {k.shape[0]}")
     for name, t in (("k", k), ("v", v)):
         if t.device != q.device:
@@ -114,16 +114,70 @@ def _check_num_splits(num_splits) -> None:
         fail("num_splits", f"must be an int in [0, {MAX_SPLITS}] (0 picks automatically), got {num_splits!r}")
 
 
+INT_MAX = 2 ** 31 - 1
+
+
+def _check_page_table(page_table, q: Tensor, k: Tensor, v: Tensor, block_size: int, batch: int) -> int:
+    """Paged K/V: k, v are (num_pages, page_size, heads_k, head_dim) caches and key position p of
+    batch b is row p % page_size of page page_table[b, p // page_size]. Returns max_seqlen_k."""
+    if not isinstance(page_table, Tensor):
+        fail("page_table", f"must be an int32 tensor (batch, max_pages), got {type(page_table).__name__}")
+    if page_table.dtype != torch.int32:
+        fail("page_table", f"must have dtype torch.int32, got {page_table.dtype}")
+    if page_table.device != q.device:
+        fail("page_table", f"must be on the device of q ({q.device}), got {page_table.device}")
+    if page_table.dim() != 2 or page_table.shape[0] != batch:
+        fail("page_table", f"must be (batch={batch}, max_pages), got shape {tuple(page_table.shape)}")
+    if page_table.numel() > 0 and page_table.stride(-1) != 1:
+        fail("page_table", f"must have a contiguous last dimension, got strides {page_table.stride()}")
+    num_pages, page_size = k.shape[0], k.shape[1]
+    if page_size <= 0 or page_size % 16 or (page_size % block_size and block_size % page_size):
+        fail("k", f"page size (k.shape[1]) must be a multiple of 16 that divides block_size={block_size} "
+                  f"or is a multiple of it, got {page_size}")
+    # The kernel places a key at (page * rows_per_page + row) * row_stride, for K and V alike.
+    rows_per_page = k.stride(0) // k.stride(1) if k.stride(1) > 0 else 0
+    if rows_per_page < page_size or k.stride(0) != rows_per_page * k.stride(1):
+        fail("k", f"a paged cache's page stride must be a multiple (>= page_size) of its row stride, got strides {k.stride()}")
+    if v.stride(0) != rows_per_page * v.stride(1):
+        fail("v", f"page stride / row stride must be k's {rows_per_page}, got strides {v.stride()}")
+    if (num_pages - 1) * rows_per_page + page_size > INT_MAX:
+        fail("k", f"a paged cache must span fewer than 2^31 rows, got {num_pages} pages of {rows_per_page} rows")
+    max_seqlen_k = page_table.shape[1] * page_size
+    if max_seqlen_k > INT_MAX:
+        fail("page_table", f"max_pages * page_size must fit in int32, got {page_table.shape[1]} x {page_size}")
+    return max_seqlen_k
+
+
+def _validate_seqused_and_pages(seqused_k: Optional[Tensor], page_table: Optional[Tensor], seqlens_k, num_pages: int,
+                                page_size: int) -> None:
+    """The exhaustive checks of seqused_k (within the keys K/V hold) and of the page ids a
+    sequence uses (within the cache); one host sync."""
+    if seqused_k is not None:
+        for b, used in enumerate(seqused_k.tolist()):
+            if not 0 <= used <= seqlens_k[b]:
+                fail("seqused_k", f"batch {b}: {used} outside [0, {seqlens_k[b]}]")
+    if page_table is not None:
+        used = seqused_k.tolist() if seqused_k is not None else seqlens_k
+        pages = page_table.cpu()
+        for b in range(pages.shape[0]):
+            ids = pages[b, :cdiv(used[b], page_size)]
+            bad = ids[(ids < 0) | (ids >= num_pages)]
+            if bad.numel():
+                fail("page_table", f"batch {b}: page id {int(bad[0])} outside [0, {num_pages})")
+
+
 class _Call:
     """One validated sparse forward: the arguments of the custom ops."""
 
     def __init__(self, q, k, v, blocks: SparseBlocks, *, causal: bool, softmax_scale, num_splits: int = 0,
-                 cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None, seqused_k=None,
+                 cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None, seqused_k=None, page_table=None,
                  validate=None, table_name="sparse_block_table"):
         varlen = cu_seqlens_q is not None or cu_seqlens_k is not None
         _check_num_splits(num_splits)
         self.requested_splits = num_splits
-        q, k, v = _check_qkv(q, k, v, varlen)
+        if varlen and page_table is not None:
+            fail("page_table", "paged K/V is batched only; varlen calls cannot take a page_table")
+        q, k, v = _check_qkv(q, k, v, varlen, paged=page_table is not None)
         if varlen:
             for name, t in (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k)):
                 if not isinstance(t, Tensor) or t.dtype != torch.int32 or t.dim() != 1 or t.device != q.device:
@@ -145,6 +199,8 @@ class _Call:
             fail(table_name, f"must be SparseBlocks, got {type(blocks).__name__}")
         validate_blocks(blocks, batch_size=batch, num_heads=q.shape[-2], num_heads_k=k.shape[-2],
                         max_seqlen_q=max_seqlen_q, device=q.device, varlen=varlen)
+        if page_table is not None:
+            max_seqlen_k = _check_page_table(page_table, q, k, v, blocks.block_size, batch)
         if exhaustive_validation_requested(validate):
             if varlen:
                 seqlens_q = (cu_seqlens_q[1:] - cu_seqlens_q[:-1]).tolist()
@@ -153,6 +209,7 @@ class _Call:
                     fail("max_seqlen_q", "max_seqlen_q / max_seqlen_k must bound the sequence lengths in cu_seqlens")
             else:
                 seqlens_q, seqlens_k = [max_seqlen_q] * batch, [max_seqlen_k] * batch
+            _validate_seqused_and_pages(seqused_k, page_table, seqlens_k, k.shape[0], k.shape[1])
             if seqused_k is not None:
                 seqlens_k = seqused_k.tolist()
             validate_block_contents(blocks, causal=causal, seqlens_q=seqlens_q, seqlens_k=seqlens_k)
@@ -165,6 +222,7 @@ class _Call:
         self.max_seqlen_q, self.max_seqlen_k = max_seqlen_q, max_seqlen_k
         self.causal = causal
         self.cu_seqlens_q, self.cu_seqlens_k, self.seqused_k = cu_seqlens_q, cu_seqlens_k, seqused_k
+        self.page_table = page_table
 
     @property
     def pack_gqa(self) -> bool:
@@ -182,7 +240,7 @@ class _Call:
         return (self.q, self.k, self.v, b.full_cnt, b.full_idx, b.mask_cnt, b.mask_idx,
                 self.cu_seqlens_q, self.cu_seqlens_k, self.seqused_k, b.cu_total_m_blocks, b.cu_block_idx_offsets,
                 self.max_seqlen_q, self.max_seqlen_k, b.block_size, b.resolved_q_block_size(self.max_seqlen_q),
-                self.scale, self.causal, num_splits, self.pack_gqa)
+                self.scale, self.causal, num_splits, self.pack_gqa, self.page_table)
 
     def num_splits(self) -> int:
         """The requested split count, or the heuristic's choice for 0."""
@@ -202,7 +260,8 @@ class _Call:
 def flash_attn_with_sparse_block_table(q: Tensor, k: Tensor, v: Tensor, sparse_block_table: BlockTable,
                                        block_size: int = 128, softmax_scale: Optional[float] = None,
                                        num_splits: int = 0, causal: bool = False,
-                                       validate: Optional[str] = None) -> Tuple[Tensor, Tensor]:
+                                       validate: Optional[str] = None, *, seqused_k: Optional[Tensor] = None,
+                                       page_table: Optional[Tensor] = None) -> Tuple[Tensor, Tensor]:
     """Attention of q over the K/V blocks named by sparse_block_table. Returns (out, lse).
 
     q: (batch, seqlen_q, heads, head_dim); k, v: (batch, seqlen_k, heads_k, head_dim), fp16/bf16.
@@ -214,10 +273,17 @@ def flash_attn_with_sparse_block_table(q: Tensor, k: Tensor, v: Tensor, sparse_b
     Returns out like q and lse (batch, heads, seqlen_q) fp32; a row that sees no key has
     out = 0, lse = -inf. validate="full" (or FLASH_ATTN_SPARSE_VALIDATE=full) also checks the
     list contents, at the cost of one host sync.
+    seqused_k: optional int32 (batch,), the keys each sequence uses (default: all of k).
+    page_table: paged K/V (vLLM-style), an int32 (batch, max_pages) tensor; k and v are then
+    (num_pages, page_size, heads_k, head_dim) caches, key position p of batch b is row
+    p % page_size of page page_table[b, p // page_size], and the lists still name logical
+    blocks of key positions. page_size is a multiple of 16 that divides block_size or is a
+    multiple of it; seqlen_k is seqused_k, else max_pages * page_size.
     """
     blocks = _as_blocks(sparse_block_table, block_size, q.shape[0] if isinstance(q, Tensor) and q.dim() == 4 else 1,
                         "sparse_block_table")
-    call = _Call(q, k, v, blocks, causal=causal, softmax_scale=softmax_scale, num_splits=num_splits, validate=validate)
+    call = _Call(q, k, v, blocks, causal=causal, softmax_scale=softmax_scale, num_splits=num_splits, validate=validate,
+                 seqused_k=seqused_k, page_table=page_table)
     return call.run()
 
 

@@ -27,9 +27,10 @@ def sparse_fwd(q: Tensor, k: Tensor, v: Tensor, full_cnt: Tensor, full_idx: Tens
                cu_seqlens_q: Optional[Tensor], cu_seqlens_k: Optional[Tensor], seqused_k: Optional[Tensor],
                cu_total_m_blocks: Optional[Tensor], cu_block_idx_offsets: Optional[Tensor],
                max_seqlen_q: int, max_seqlen_k: int, block_size: int, q_block_size: int,
-               softmax_scale: float, causal: bool, num_splits: int, pack_gqa: bool) -> Tuple[Tensor, Tensor]:
+               softmax_scale: float, causal: bool, num_splits: int, pack_gqa: bool,
+               page_table: Optional[Tensor]) -> Tuple[Tensor, Tensor]:
     out, lse = _cuda_module().sparse_fwd(
-        q, k, v, None, full_cnt, full_idx, mask_cnt, mask_idx, cu_seqlens_q, cu_seqlens_k, seqused_k,
+        q, k, v, None, full_cnt, full_idx, mask_cnt, mask_idx, cu_seqlens_q, cu_seqlens_k, seqused_k, page_table,
         cu_total_m_blocks, cu_block_idx_offsets, max_seqlen_q, max_seqlen_k, block_size, q_block_size,
         softmax_scale, causal, num_splits, pack_gqa, None, None, 0)
     return out, lse
@@ -38,7 +39,7 @@ def sparse_fwd(q: Tensor, k: Tensor, v: Tensor, full_cnt: Tensor, full_idx: Tens
 @sparse_fwd.register_fake
 def _(q, k, v, full_cnt, full_idx, mask_cnt, mask_idx, cu_seqlens_q, cu_seqlens_k, seqused_k,
       cu_total_m_blocks, cu_block_idx_offsets, max_seqlen_q, max_seqlen_k, block_size, q_block_size,
-      softmax_scale, causal, num_splits, pack_gqa):
+      softmax_scale, causal, num_splits, pack_gqa, page_table):
     out = torch.empty_like(q)
     if cu_seqlens_q is not None:
         lse = q.new_empty((q.shape[1], q.shape[0]), dtype=torch.float32)
@@ -54,10 +55,11 @@ def sparse_fwd_partial(q: Tensor, k: Tensor, v: Tensor, full_cnt: Tensor, full_i
                        cu_total_m_blocks: Optional[Tensor], cu_block_idx_offsets: Optional[Tensor],
                        max_seqlen_q: int, max_seqlen_k: int, block_size: int, q_block_size: int,
                        softmax_scale: float, causal: bool, num_splits: int, pack_gqa: bool,
+                       page_table: Optional[Tensor],
                        out_partial: Tensor, lse_partial: Tensor, partial_offset: int) -> None:
     """Writes fp32 partials of this call to slots [partial_offset, partial_offset + num_splits)."""
     _cuda_module().sparse_fwd(
-        q, k, v, None, full_cnt, full_idx, mask_cnt, mask_idx, cu_seqlens_q, cu_seqlens_k, seqused_k,
+        q, k, v, None, full_cnt, full_idx, mask_cnt, mask_idx, cu_seqlens_q, cu_seqlens_k, seqused_k, page_table,
         cu_total_m_blocks, cu_block_idx_offsets, max_seqlen_q, max_seqlen_k, block_size, q_block_size,
         softmax_scale, causal, num_splits, pack_gqa, out_partial, lse_partial, partial_offset)
 

@@ -6,6 +6,8 @@
  * checks what the kernels rely on for memory safety and fills Flash_fwd_params.
  ******************************************************************************/
 
+#include <limits>
+
 #include <torch/python.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
@@ -76,7 +78,7 @@ std::vector<at::Tensor> mha_fwd_sparse(
     const at::Tensor &full_cnt, const at::Tensor &full_idx,
     std::optional<at::Tensor> mask_cnt_, std::optional<at::Tensor> mask_idx_,
     std::optional<at::Tensor> cu_seqlens_q_, std::optional<at::Tensor> cu_seqlens_k_,
-    std::optional<at::Tensor> seqused_k_,
+    std::optional<at::Tensor> seqused_k_, std::optional<at::Tensor> page_table_,
     std::optional<at::Tensor> cu_total_m_blocks_, std::optional<at::Tensor> cu_block_idx_offsets_,
     int max_seqlen_q, int max_seqlen_k,
     int block_size, int q_block_size,
@@ -97,9 +99,14 @@ std::vector<at::Tensor> mha_fwd_sparse(
     TORCH_CHECK(varlen == cu_seqlens_k_.has_value(), "cu_seqlens_q and cu_seqlens_k go together");
     TORCH_CHECK(varlen == cu_total_m_blocks_.has_value() && varlen == cu_block_idx_offsets_.has_value(),
                 "varlen inputs need the varlen list layout (cu_total_m_blocks, cu_block_idx_offsets) and vice versa");
+    const bool paged = page_table_.has_value();
+    TORCH_CHECK(!(paged && varlen), "page_table: paged K/V is batched only, not varlen");
     const int batch_size = varlen ? cu_seqlens_q_->numel() - 1 : q.size(0);
     const int seqlen_q = varlen ? max_seqlen_q : q.size(1);
-    const int seqlen_k = varlen ? max_seqlen_k : k.size(1);
+    const int page_size = paged ? k.size(1) : 0;
+    const int64_t paged_seqlen_k = paged ? page_table_->size(-1) * int64_t(page_size) : 0;
+    TORCH_CHECK(paged_seqlen_k <= std::numeric_limits<int>::max(), "page_table: max_pages * page_size must fit in int32");
+    const int seqlen_k = varlen ? max_seqlen_k : (paged ? int(paged_seqlen_k) : k.size(1));
     const int num_heads = q.size(-2);
     const int head_size = q.size(-1);
     const int num_heads_k = k.size(-2);
@@ -114,6 +121,24 @@ std::vector<at::Tensor> mha_fwd_sparse(
             check_int32_table(t, "cu_seqlens / varlen list offsets", q);
             TORCH_CHECK(t.numel() == batch_size + 1, "cu_seqlens and varlen list offsets must have batch_size + 1 entries");
         }
+    } else if (paged) {
+        TORCH_CHECK(q.dim() == 4, "q must be batch x seqlen_q x num_heads x head_size");
+        const at::Tensor &page_table = *page_table_;
+        TORCH_CHECK(page_table.dtype() == torch::kInt32, "page_table must have dtype int32");
+        TORCH_CHECK(page_table.device() == q.device(), "page_table must be on the same device as q");
+        TORCH_CHECK(page_table.dim() == 2 && page_table.size(0) == batch_size, "page_table must be batch_size x max_pages_per_seq");
+        TORCH_CHECK(page_table.size(1) == 0 || page_table.stride(1) == 1, "page_table must have a contiguous last dimension");
+        TORCH_CHECK(k.dim() == 4 && v.sizes() == k.sizes() && k.size(2) == num_heads_k && k.size(3) == head_size,
+                    "paged k and v must be num_pages x page_size x num_heads_k x head_size");
+        TORCH_CHECK(page_size > 0 && page_size % 16 == 0 && block_size > 0 && (page_size % block_size == 0 || block_size % page_size == 0),
+                    "page size must be a multiple of 16 that divides block_size or is a multiple of it");
+        // The kernel places a key at (page * rows_per_page + row) * row_stride, for K and V alike.
+        const int64_t rows_per_page = k.stride(1) > 0 ? k.stride(0) / k.stride(1) : 0;
+        TORCH_CHECK(rows_per_page >= page_size && k.stride(0) == rows_per_page * k.stride(1)
+                    && v.stride(0) == rows_per_page * v.stride(1),
+                    "paged k and v: the page stride must be the same multiple of the row stride for both");
+        TORCH_CHECK((k.size(0) - 1) * rows_per_page + page_size <= std::numeric_limits<int>::max(),
+                    "paged k and v: the cache must span fewer than 2^31 rows");
     } else {
         TORCH_CHECK(q.dim() == 4, "q must be batch x seqlen_q x num_heads x head_size");
         CHECK_SHAPE(k, batch_size, seqlen_k, num_heads_k, head_size);
@@ -165,6 +190,11 @@ std::vector<at::Tensor> mha_fwd_sparse(
                      /*p_d=*/nullptr, softmax_lse.data_ptr(), /*p_dropout=*/0.f, float(softmax_scale),
                      /*window_size_left=*/-1, /*window_size_right=*/-1, /*softcap=*/0.f,
                      /*seqlenq_ngroups_swapped=*/false, /*unpadded_lse=*/varlen);
+    if (paged) {
+        params.block_table = page_table_->data_ptr<int>();
+        params.block_table_batch_stride = page_table_->stride(0);
+        params.page_block_size = page_size;
+    }
     // Causality applies to "mask" blocks only; the window fields stay those of a non-causal call.
     params.is_causal = is_causal;
     params.total_q = total_q;

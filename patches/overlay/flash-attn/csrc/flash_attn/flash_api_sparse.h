@@ -18,14 +18,16 @@ namespace FLASH_NAMESPACE {
 // varlen (q: total_q x h x d with cu_seqlens_q). Returns {out, softmax_lse}, or, when out_partial
 // is given, writes fp32 partials to its slots [partial_offset, partial_offset + num_splits) and
 // returns {out_partial, lse_partial}. pack_gqa puts the query heads of a K/V head in one tile
-// (the lists must then be shared or per K/V head).
+// (the lists must then be shared or per K/V head). With page_table (b x max_pages int32, batched
+// only), k and v are paged caches (num_pages x page_size x h_k x d): key position p of batch b is
+// row p % page_size of page page_table[b][p / page_size].
 std::vector<at::Tensor> mha_fwd_sparse(
     const at::Tensor &q, const at::Tensor &k, const at::Tensor &v,
     std::optional<at::Tensor> out_,
     const at::Tensor &full_cnt, const at::Tensor &full_idx,
     std::optional<at::Tensor> mask_cnt_, std::optional<at::Tensor> mask_idx_,
     std::optional<at::Tensor> cu_seqlens_q_, std::optional<at::Tensor> cu_seqlens_k_,
-    std::optional<at::Tensor> seqused_k_,
+    std::optional<at::Tensor> seqused_k_, std::optional<at::Tensor> page_table_,
     std::optional<at::Tensor> cu_total_m_blocks_, std::optional<at::Tensor> cu_block_idx_offsets_,
     int max_seqlen_q, int max_seqlen_k,
     int block_size, int q_block_size,

@@ -12,6 +12,11 @@
  * out-of-range entry) are never loaded: their scores are set to -inf and their V rows in shared
  * memory are zeroed, so no list content can make the kernel read out of bounds.
  *
+ * Paged K/V (params.block_table != nullptr): the lists still name logical blocks of key
+ * positions; position p lives at row p % page_block_size of page block_table[b][p / page_block_size].
+ * The page is looked up where the position is (one tile ahead, overlapping the matmul) and turned
+ * into a row index of the cache, so K and V offsets are computed exactly as in the contiguous case.
+ *
  * With GQA packing (params.sparse_pack_gqa = g > 1) a CTA serves the g query heads of one K/V
  * head: its query row r is position r / g of head h_k * g + r % g, so every listed K/V tile
  * feeds g times more rows. Query rows are addressed one by one for that reason (Q is read and O
@@ -85,6 +90,41 @@ struct SparseTileList {
         return false;
     }
 };
+
+// Paged K/V of one sequence. resolve(pos) is the row of key position pos in units of the cache's
+// row stride (page * rows_per_page + row in page), or -1 for a negative page id: the unit of a
+// contiguous position, so offsets stay position * row_stride for K and V alike. The host checks
+// that page stride / row stride is the same integer for K and V and that the largest such row
+// index fits in int.
+struct SparsePagedKV {
+    const int *table;  // this sequence's row of the page table
+    int page_size;
+    int page_shift;    // log2(page_size), or -1 if page_size is not a power of two
+    int rows_per_page; // page stride / row stride
+
+    __forceinline__ __device__ int resolve(const int pos) const {
+        int page_idx, row;
+        if (page_shift >= 0) {
+            page_idx = pos >> page_shift;
+            row = pos & (page_size - 1);
+        } else {
+            page_idx = pos / page_size;
+            row = pos - page_idx * page_size;
+        }
+        const int page = __ldg(table + page_idx);
+        return page < 0 ? -1 : page * rows_per_page + row;
+    }
+};
+
+template<typename Params>
+__forceinline__ __device__ SparsePagedKV get_sparse_paged_kv(const Params &params, const int bidb) {
+    SparsePagedKV paged;
+    paged.table = params.block_table + bidb * params.block_table_batch_stride;
+    paged.page_size = params.page_block_size;
+    paged.page_shift = (params.page_block_size & (params.page_block_size - 1)) == 0 ? __ffs(params.page_block_size) - 1 : -1;
+    paged.rows_per_page = int(params.k_batch_stride / params.k_row_stride);
+    return paged;
+}
 
 // Where a CTA's query rows live. Row r of the tile is packed row first_row + r: query position
 // (first_row + r) / group of head first_head + (first_row + r) % group.
@@ -296,7 +336,9 @@ __forceinline__ __device__ void write_empty_sparse_tile(const Output &output) {
 
 ////////////////////////////////////////////////////////////////////////////////////////////////////
 
-template<typename Kernel_traits, bool Is_even_K, bool Split, typename Params>
+// Paged: K/V are paged caches (params.block_table); a template flag so that the contiguous
+// kernels keep their registers.
+template<typename Kernel_traits, bool Is_even_K, bool Split, bool Paged, typename Params>
 inline __device__ void compute_attn_1rowblock_sparse(const Params &params, const int bidb, const int bidh, const int m_block,
                                                      const int n_split_idx, const int num_n_splits) {
     using Element = typename Kernel_traits::Element;
@@ -322,7 +364,9 @@ inline __device__ void compute_attn_1rowblock_sparse(const Params &params, const
     if (rows.first_row >= rows.num_rows) return;
     const SparseOutput<Kernel_traits, Split, Params> output(params, rows, binfo, bidb, params.sparse_split_offset + n_split_idx);
 
-    const SparseTileList list = get_sparse_tile_list<kBlockM>(params, bidb, rows, binfo.actual_seqlen_k);
+    // seqused_k beyond the rows K/V hold (batch, varlen or paged extent) is clamped, so it cannot
+    // lead the kernel past them.
+    const SparseTileList list = get_sparse_tile_list<kBlockM>(params, bidb, rows, std::min(binfo.actual_seqlen_k, binfo.seqlen_k_cache));
     // This split's share of the list, in kernel tiles of kBlockN list rows.
     const int n_tiles = cute::ceil_div(list.total_cnt << list.block_size_log2, kBlockN);
     const int tiles_per_split = cute::ceil_div(n_tiles, num_n_splits);
@@ -334,14 +378,18 @@ inline __device__ void compute_attn_1rowblock_sparse(const Params &params, const
     }
 
     const int bidh_k = rows.first_head / params.h_h_k_ratio;
-    // Row-stride-0 views of Q, K and V: rows are placed one by one (copy_rows).
+    const SparsePagedKV paged = Paged ? get_sparse_paged_kv(params, bidb) : SparsePagedKV{};
+    // Row-stride-0 views of Q, K and V: rows are placed one by one (copy_rows). Paged K/V has no
+    // batch offset: the page id places each row.
     Tensor gQ0 = make_tensor(make_gmem_ptr(reinterpret_cast<Element *>(params.q_ptr) + binfo.q_offset(params.q_batch_stride, params.q_row_stride, bidb)),
                              Shape<Int<kBlockM>, Int<kHeadDim>>{}, make_stride(_0{}, _1{}));
     Tensor gK0 = make_tensor(make_gmem_ptr(reinterpret_cast<Element *>(params.k_ptr)
-                                           + binfo.k_offset(params.k_batch_stride, params.k_row_stride, bidb) + bidh_k * params.k_head_stride),
+                                           + (Paged ? index_t(0) : binfo.k_offset(params.k_batch_stride, params.k_row_stride, bidb))
+                                           + bidh_k * params.k_head_stride),
                              Shape<Int<kBlockN>, Int<kHeadDim>>{}, make_stride(_0{}, _1{}));
     Tensor gV0 = make_tensor(make_gmem_ptr(reinterpret_cast<Element *>(params.v_ptr)
-                                           + binfo.k_offset(params.v_batch_stride, params.v_row_stride, bidb) + bidh_k * params.v_head_stride),
+                                           + (Paged ? index_t(0) : binfo.k_offset(params.v_batch_stride, params.v_row_stride, bidb))
+                                           + bidh_k * params.v_head_stride),
                              Shape<Int<kBlockN>, Int<kHeadDim>>{}, make_stride(_0{}, _1{}));
 
     Tensor sQ = make_tensor(make_smem_ptr(reinterpret_cast<Element *>(smem_)), typename Kernel_traits::SmemLayoutQ{});
@@ -391,7 +439,8 @@ inline __device__ void compute_attn_1rowblock_sparse(const Params &params, const
         for (int k = 0; k < size(tKVpKV); ++k) { tKVpKV(k) = get<1>(tKVcKV(0, 0, k)) < params.d; }
     }
 
-    // Key positions of this thread's copy rows for one tile; K and V of a tile share them.
+    // Key positions of this thread's copy rows for one tile (rows of the cache when paged); K and
+    // V of a tile share them.
     constexpr int kRowsPerThread = decltype(size<1>(tKgK0))::value;
     auto tile_positions = [&](const int tile, int (&positions)[kRowsPerThread]) {
         if (list.block_size >= kBlockN) {
@@ -406,6 +455,12 @@ inline __device__ void compute_attn_1rowblock_sparse(const Params &params, const
             #pragma unroll
             for (int m = 0; m < kRowsPerThread; ++m) {
                 positions[m] = list.position(tile * kBlockN + get<0>(tKVcKV(0, m, 0)));
+            }
+        }
+        if constexpr (Paged) {
+            #pragma unroll
+            for (int m = 0; m < kRowsPerThread; ++m) {
+                if (positions[m] >= 0) { positions[m] = paged.resolve(positions[m]); }
             }
         }
     };

@@ -15,7 +15,7 @@
 
 namespace FLASH_NAMESPACE {
 
-template<typename Kernel_traits, bool Is_even_K, bool Split>
+template<typename Kernel_traits, bool Is_even_K, bool Split, bool Paged>
 __global__ void flash_fwd_sparse_kernel(KERNEL_PARAM_MODIFIER const Flash_fwd_params params) {
     #if defined(ARCH_SUPPORTS_FLASH)
         // With GQA packing a CTA serves the query heads of one K/V head (see the kernel).
@@ -25,7 +25,7 @@ __global__ void flash_fwd_sparse_kernel(KERNEL_PARAM_MODIFIER const Flash_fwd_pa
         const int bidh = Split ? blockIdx.z - bidb * tile_heads : blockIdx.z;
         const int n_split_idx = Split ? blockIdx.y : 0;
         const int num_n_splits = Split ? gridDim.y : 1;
-        FLASH_NAMESPACE::compute_attn_1rowblock_sparse<Kernel_traits, Is_even_K, Split>(params, bidb, bidh, m_block, n_split_idx, num_n_splits);
+        FLASH_NAMESPACE::compute_attn_1rowblock_sparse<Kernel_traits, Is_even_K, Split, Paged>(params, bidb, bidh, m_block, n_split_idx, num_n_splits);
     #else
         FLASH_UNSUPPORTED_ARCH
     #endif
@@ -42,12 +42,14 @@ void run_flash_sparse_fwd(Flash_fwd_params &params, cudaStream_t stream) {
     dim3 grid(num_m_block, Split ? num_splits : params.b, Split ? params.b * tile_heads : tile_heads);
     const bool is_even_K = params.d == Kernel_traits::kHeadDim;
     EVENK_SWITCH(is_even_K, IsEvenKConst, [&] {
-        auto kernel = &flash_fwd_sparse_kernel<Kernel_traits, IsEvenKConst, Split>;
-        if (smem_size >= 48 * 1024) {
-            C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem_size));
-        }
-        kernel<<<grid, Kernel_traits::kNThreads, smem_size, stream>>>(params);
-        C10_CUDA_KERNEL_LAUNCH_CHECK();
+        BOOL_SWITCH(params.block_table != nullptr, PagedConst, [&] {
+            auto kernel = &flash_fwd_sparse_kernel<Kernel_traits, IsEvenKConst, Split, PagedConst>;
+            if (smem_size >= 48 * 1024) {
+                C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem_size));
+            }
+            kernel<<<grid, Kernel_traits::kNThreads, smem_size, stream>>>(params);
+            C10_CUDA_KERNEL_LAUNCH_CHECK();
+        });
     });
 }
 

@@ -1,0 +1,208 @@
+"""Paged K/V with sparse lists: a vLLM-style page table and per-(batch, K/V head) block lists.
+
+Every paged call is compared bitwise with the same call on the contiguous K/V it was paged from
+(same kernel, same keys in the same order, so the same arithmetic), and with the fp64 oracle
+under FlashAttention's tolerance convention. Physical pages are a random permutation; unused
+pages, unused page-table entries and keys past seqused_k hold NaN, so a read of any of them
+shows up in the output.
+"""
+
+import random
+import zlib
+
+import pytest
+import torch
+
+import flash_attn_sparse as fas
+from flash_attn_sparse import SparseBlocks
+from flash_attn_sparse.reference import visibility_from_lists
+from helpers import assert_close_to_reference, random_qkv
+
+pytestmark = [pytest.mark.gpu, pytest.mark.stage5]
+
+BATCH, HEADS, HEADS_K = 3, 8, 2
+SEQUSED = [1531, 1000, 777]  # none a multiple of any page size tested
+
+
+def cdiv(a, b):
+    return -(-a // b)
+
+
+def poison_past(k, v, seqused):
+    """NaN in the keys each sequence does not use, so reading one shows."""
+    for b, used in enumerate(seqused):
+        k[b, used:] = float("nan")
+        v[b, used:] = float("nan")
+
+
+def page_out(k, v, page_size, generator, extra_pages=5, interleaved=False):
+    """Paged caches holding k, v (batch, n_cols * page_size, heads_k, dim): sequence b's column j
+    is physical page page_table[b, j], the pages a random permutation; the extra pages are NaN.
+    interleaved: one (num_pages, 2, page_size, heads_k, dim) buffer, k and v views of it (a page
+    stride of twice the page)."""
+    batch, seqlen, heads_k, dim = k.shape
+    n_cols = seqlen // page_size
+    num_pages = batch * n_cols + extra_pages
+    perm = torch.randperm(num_pages, generator=generator).to(k.device)
+    page_table = perm[:batch * n_cols].view(batch, n_cols).to(torch.int32).contiguous()
+    if interleaved:
+        kv = torch.full((num_pages, 2, page_size, heads_k, dim), float("nan"), dtype=k.dtype, device=k.device)
+        k_cache, v_cache = kv[:, 0], kv[:, 1]
+    else:
+        k_cache = torch.full((num_pages, page_size, heads_k, dim), float("nan"), dtype=k.dtype, device=k.device)
+        v_cache = torch.full_like(k_cache, float("nan"))
+    k_cache[page_table.flatten().long()] = k.reshape(batch * n_cols, page_size, heads_k, dim)
+    v_cache[page_table.flatten().long()] = v.reshape(batch * n_cols, page_size, heads_k, dim)
+    return k_cache, v_cache, page_table
+
+
+def random_lists(seqused, seqlen_q, block_size, causal, rng):
+    """Per-(batch, K/V head) lists, permuted and gapped. Non-causal: about half the blocks, the
+    partial tail block always among them. Causal: the blocks holding the diagonal as "mask"
+    blocks, a shuffled half of the fully historical ones as "full" blocks."""
+    full, mask = [], []
+    for used in seqused:
+        n_blocks = cdiv(used, block_size)
+        per_b_full, per_b_mask = [], []
+        for _ in range(HEADS_K):
+            if causal:
+                historical = max(used - seqlen_q + 1, 0) // block_size
+                f = rng.sample(range(historical), historical // 2)
+                m = list(range(historical, n_blocks))
+                rng.shuffle(m)
+            else:
+                f = rng.sample(range(n_blocks - 1), (n_blocks - 1) // 2) + [n_blocks - 1]
+                rng.shuffle(f)
+                m = []
+            per_b_full.append([f])
+            per_b_mask.append([m])
+        full.append(per_b_full)
+        mask.append(per_b_mask)
+    return full, mask
+
+
+def check_against_reference(out, lse, q, k, v, full, mask, seqused, block_size, causal):
+    """Per sequence, over its first seqused keys (the clean ones)."""
+    seqlen_q = q.shape[1]
+    q_block = cdiv(seqlen_q, 128) * 128
+    for b, used in enumerate(seqused):
+        visible = visibility_from_lists(full[b], mask[b] if mask else None, block_size, q_block, seqlen_q, used, HEADS, causal, device=q.device)
+        assert_close_to_reference(out[b:b + 1], lse[b:b + 1], q[b:b + 1], k[b:b + 1, :used], v[b:b + 1, :used], visible)
+
+
+def assert_bitwise_equal(a, b, what):
+    assert torch.equal(a, b), f"{what}: paged differs from contiguous, max diff {(a.double() - b.double()).abs().nan_to_num(0).max().item():.3e}"
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("head_dim,dtype", [(64, torch.float16), (64, torch.bfloat16), (128, torch.float16), (128, torch.bfloat16)],
+                         ids=["d64-fp16", "d64-bf16", "d128-fp16", "d128-bf16"])
+@pytest.mark.parametrize("num_splits", [1, 3], ids=["nosplit", "split3"])
+@pytest.mark.parametrize("seqlen_q", [1, 16, 128])
+@pytest.mark.parametrize("page_size,block_size", [(16, 128), (64, 64), (256, 64), (48, 16)],
+                         ids=["page16<block128", "page64=block64", "page256>block64", "page48>block16"])
+def test_paged_equals_contiguous(page_size, block_size, seqlen_q, num_splits, head_dim, dtype, causal):
+    seed = zlib.crc32(repr((page_size, block_size, seqlen_q, num_splits, head_dim, dtype, causal)).encode())
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    n_cols = cdiv(max(SEQUSED), page_size) + 1  # one spare (NaN) column in every row of the table
+    q, k, v = random_qkv(BATCH, seqlen_q, n_cols * page_size, HEADS, HEADS_K, head_dim, dtype, generator=g)
+    clean_k, clean_v = k.clone(), v.clone()
+    poison_past(k, v, SEQUSED)
+    k_cache, v_cache, page_table = page_out(k, v, page_size, torch.Generator().manual_seed(seed))
+    full, mask = random_lists(SEQUSED, seqlen_q, block_size, causal, random.Random(seed))
+    blocks = SparseBlocks.from_lists(full, mask if causal else None, block_size=block_size, device="cuda")
+    seqused_k = torch.tensor(SEQUSED, dtype=torch.int32, device="cuda")
+
+    out, lse = fas.flash_attn_with_sparse_block_table(q, k_cache, v_cache, blocks, causal=causal, num_splits=num_splits,
+                                                      seqused_k=seqused_k, page_table=page_table, validate="full")
+    ref_out, ref_lse = fas.flash_attn_with_sparse_block_table(q, k, v, blocks, causal=causal, num_splits=num_splits,
+                                                              seqused_k=seqused_k)
+    assert_bitwise_equal(out, ref_out, "out")
+    assert_bitwise_equal(lse, ref_lse, "lse")
+    check_against_reference(out, lse, q, clean_k, clean_v, full, mask, SEQUSED, block_size, causal)
+
+
+@pytest.mark.parametrize("page_size,block_size", [(16, 64), (128, 128), (512, 128)])
+def test_paged_without_seqused_k_uses_every_page(page_size, block_size):
+    """seqlen_k is then max_pages * page_size; the shared 1-D table form."""
+    g = torch.Generator(device="cuda").manual_seed(page_size)
+    n_cols = cdiv(1200, page_size)
+    seqlen_k = n_cols * page_size
+    q, k, v = random_qkv(BATCH, 16, seqlen_k, HEADS, HEADS_K, 128, torch.bfloat16, generator=g)
+    k_cache, v_cache, page_table = page_out(k, v, page_size, torch.Generator().manual_seed(page_size))
+    n_blocks = cdiv(seqlen_k, block_size)
+    ids = random.Random(page_size).sample(range(n_blocks), n_blocks // 3)
+    table = torch.tensor(ids, dtype=torch.int32, device="cuda")
+    for num_splits in (0, 1, 3):
+        out, lse = fas.flash_attn_with_sparse_block_table(q, k_cache, v_cache, table, block_size=block_size,
+                                                          num_splits=num_splits, page_table=page_table)
+        ref_out, ref_lse = fas.flash_attn_with_sparse_block_table(q, k, v, table, block_size=block_size, num_splits=num_splits)
+        assert_bitwise_equal(out, ref_out, "out")
+        assert_bitwise_equal(lse, ref_lse, "lse")
+    full = [[[ids]] * HEADS_K] * BATCH
+    check_against_reference(out, lse, q, k, v, full, None, [seqlen_k] * BATCH, block_size, False)
+
+
+def test_paged_interleaved_cache_and_shared_prefix_pages():
+    """k and v as views of one (num_pages, 2, page_size, heads_k, dim) buffer (page stride = two
+    pages), and two sequences sharing their first pages (prefix caching)."""
+    page_size, block_size, seqlen_q = 32, 64, 16
+    g = torch.Generator(device="cuda").manual_seed(5)
+    seqused = [900, 1000, 700]
+    n_cols = cdiv(max(seqused), page_size) + 1
+    q, k, v = random_qkv(BATCH, seqlen_q, n_cols * page_size, HEADS, HEADS_K, 128, torch.float16, generator=g)
+    k[1, :256], v[1, :256] = k[0, :256], v[0, :256]  # sequences 0 and 1 share a 256-key prefix
+    clean_k, clean_v = k.clone(), v.clone()
+    poison_past(k, v, seqused)
+    k_cache, v_cache, page_table = page_out(k, v, page_size, torch.Generator().manual_seed(5), interleaved=True)
+    assert k_cache.stride(0) == 2 * page_size * k_cache.stride(1)
+    page_table[1, :256 // page_size] = page_table[0, :256 // page_size]
+    full, mask = random_lists(seqused, seqlen_q, block_size, True, random.Random(5))
+    blocks = SparseBlocks.from_lists(full, mask, block_size=block_size, device="cuda")
+    seqused_k = torch.tensor(seqused, dtype=torch.int32, device="cuda")
+    for num_splits in (1, 3):
+        out, lse = fas.flash_attn_with_sparse_block_table(q, k_cache, v_cache, blocks, causal=True, num_splits=num_splits,
+                                                          seqused_k=seqused_k, page_table=page_table, validate="full")
+        ref_out, ref_lse = fas.flash_attn_with_sparse_block_table(q, k, v, blocks, causal=True, num_splits=num_splits,
+                                                                  seqused_k=seqused_k)
+        assert_bitwise_equal(out, ref_out, "out")
+        assert_bitwise_equal(lse, ref_lse, "lse")
+    check_against_reference(out, lse, q, clean_k, clean_v, full, mask, seqused, block_size, True)
+
+
+def test_paged_key_offsets_past_2_31_elements():
+    """Pages at the end of a 4 GiB cache: page * rows_per_page * row_stride exceeds 2^31 elements."""
+    page_size, block_size, heads_k, dim = 256, 128, 1, 128
+    num_pages = (2**31 // (page_size * heads_k * dim)) + 64
+    k_cache = torch.empty(num_pages, page_size, heads_k, dim, dtype=torch.bfloat16, device="cuda")
+    v_cache = torch.empty_like(k_cache)
+    g = torch.Generator(device="cuda").manual_seed(7)
+    q, k, v = random_qkv(1, 16, 8 * page_size, 4, heads_k, dim, torch.bfloat16, generator=g)
+    page_table = torch.arange(num_pages - 8, num_pages, dtype=torch.int32, device="cuda").flip(0).view(1, 8).contiguous()
+    k_cache[page_table[0].long()] = k[0].view(8, page_size, heads_k, dim)
+    v_cache[page_table[0].long()] = v[0].view(8, page_size, heads_k, dim)
+    table = torch.tensor([15, 0, 7, 8], dtype=torch.int32, device="cuda")
+    for num_splits in (1, 2):
+        out, lse = fas.flash_attn_with_sparse_block_table(q, k_cache, v_cache, table, block_size=block_size,
+                                                          num_splits=num_splits, page_table=page_table)
+        ref_out, ref_lse = fas.flash_attn_with_sparse_block_table(q, k, v, table, block_size=block_size, num_splits=num_splits)
+        assert_bitwise_equal(out, ref_out, "out")
+        assert_bitwise_equal(lse, ref_lse, "lse")
+    del k_cache, v_cache
+    torch.cuda.empty_cache()
+
+
+def test_paged_torch_compile_fullgraph_matches_eager():
+    g = torch.Generator(device="cuda").manual_seed(3)
+    page_size, n_cols = 64, 20
+    q, k, v = random_qkv(2, 16, n_cols * page_size, HEADS, HEADS_K, 128, torch.bfloat16, generator=g)
+    k_cache, v_cache, page_table = page_out(k, v, page_size, torch.Generator().manual_seed(3))
+    table = torch.tensor([3, 9, 0, 4], dtype=torch.int32, device="cuda")
+    seqused_k = torch.tensor([1200, 1111], dtype=torch.int32, device="cuda")
+
+    def attend(q, k_cache, v_cache, table, page_table, seqused_k):
+        return fas.flash_attn_with_sparse_block_table(q, k_cache, v_cache, table, page_table=page_table, seqused_k=seqused_k)
+
+    eager = attend(q, k_cache, v_cache, table, page_table, seqused_k)
+    compiled = torch.compile(attend, fullgraph=True)(q, k_cache, v_cache, table, page_table, seqused_k)
+    assert torch.equal(eager[0], compiled[0]) and torch.equal(eager[1], compiled[1])
