@@ -154,14 +154,30 @@ def bench_shape(shape, roofline, rows, methods):
     blocks = [to_blocks(lists, shape) for lists in list_sets]
     turn = [0]
 
-    def ours(num_splits=0):
+    def ours(backend):
         def run():
             turn[0] = (turn[0] + 1) % ROTATIONS
-            return fas.flash_attn_with_sparse_block_table(q, k, v, blocks[turn[0]], causal=shape.causal, num_splits=num_splits)
+            return fas.flash_attn_with_sparse_block_table(q, k, v, blocks[turn[0]], causal=shape.causal, backend=backend)
         return run
 
     if "fa2_sparse" in methods:
-        add("fa2_sparse", ours())
+        add("fa2_sparse", ours("fa2"))
+    fa4_missing = fas.fa4.missing_runtime()
+    if "fa4_sparse" in methods and not fa4_missing:
+        add("fa4_sparse", ours("fa4"), "API, backend=fa4")
+    if "auto" in methods and not fa4_missing:
+        add("auto", ours("auto"), f"chose {fas.choose_backend(q, k, v, blocks[0])[0]}")
+    if "fa4_direct" in methods and not fa4_missing:
+        # flash-attn-4's kernel called directly on lists already in its form: the floor of the
+        # fa4 backend, whose API call adds the list adapter (sort, range check, GQA expansion).
+        cute = fas.fa4.import_cute("interface")
+        tensors = [fas.fa4.block_sparse_tensors(b, batch=shape.batch, num_heads=shape.heads, max_seqlen_q=shape.seqlen_q,
+                                                max_seqlen_k=shape.seqlen_k) for b in blocks]
+
+        def run_direct():
+            turn[0] = (turn[0] + 1) % ROTATIONS
+            return cute.flash_attn_func(q, k, v, causal=shape.causal, block_sparse_tensors=tensors[turn[0]], return_lse=True)
+        add("fa4_direct", run_direct, "CuTe-DSL kernel, lists pre-adapted")
     if "speculative" in methods and shape.density < 1:
         # The same union of blocks as a speculative set (the last 4 blocks, "mask" blocks) plus
         # the missed set, one pass (zero-copy form) and two passes + combine (gathered form).
@@ -203,12 +219,15 @@ DECODE = [Shape(f"decode B8 Sq{sq} H32/8 Sk32k", 8, sq, 32768, 32, 8, d) for sq 
 # Non-causal only: a causal sparse prefill needs per-query-tile lists with "mask" blocks on the
 # diagonal, which this benchmark does not build yet.
 PREFILL = [Shape("prefill B1 S16k H32 full", 1, 16384, 16384, 32, 32, d) for d in (1.0, 1 / 4, 1 / 16)]
+# Where the FA-4 backend overtakes FA-2 as query rows grow (auto's FA4_MIN_QUERY_ROWS).
+CROSSOVER = [Shape(f"crossover B1 Sq{sq} H32/8 Sk16k", 1, sq, 16384, 32, 8, d)
+             for sq in (64, 256, 512, 1024, 2048, 4096) for d in (1 / 4, 1 / 16)]
 
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--shapes", help="comma-separated substrings of shape names to run (default: all)")
-    parser.add_argument("--methods", default="fa2_sparse,fa2_dense,speculative,sdpa,flex")
+    parser.add_argument("--methods", default="fa2_sparse,fa4_sparse,fa4_direct,auto,fa2_dense,speculative,sdpa,flex")
     parser.add_argument("--out", type=Path, help="folder for <date>-<gpu>-<commit>.json, .md and .png")
     parser.add_argument("--json", type=Path)
     parser.add_argument("--markdown", type=Path)
@@ -218,10 +237,11 @@ def main():
         stem = f"{time.strftime('%Y-%m-%d')}-{torch.cuda.get_device_name().split()[-1].lower()}-{source_commit()}"
         args.json, args.markdown = args.out / f"{stem}.json", args.out / f"{stem}.md"
     methods = set(args.methods.split(","))
-    shapes = DECODE + PREFILL
+    shapes = DECODE + PREFILL + CROSSOVER
     if args.shapes:
         shapes = [s for s in shapes if any(part.strip() in s.name for part in args.shapes.split(","))]
     print(f"GPU: {torch.cuda.get_device_name()}  torch {torch.__version__}", flush=True)
+    print(f"FA-4 backend: {fas.fa4.missing_runtime() or 'available'}", flush=True)
     roofline = measure_roofline()
     print(f"roofline: copy {roofline[0]:.2f} TB/s, bf16 matmul {roofline[1]:.0f} TFLOP/s", flush=True)
     rows = []

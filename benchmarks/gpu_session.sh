@@ -6,7 +6,13 @@
 #   STEPS="tests mutation bench" bash benchmarks/gpu_session.sh
 #
 # Steps: tests (all GPU tests), mutation (V steps densely: the permuted-list tests must fail),
-# bench (benchmarks/bench_sparse.py on $BENCH_SHAPES), fullbench (the whole matrix).
+# bench (benchmarks/bench_sparse.py on $BENCH_SHAPES), fullbench (the whole matrix), fa4 (the
+# stage-4 tests), sanitize, reliability.
+#
+# The CuTe-DSL runtime (flash-attn-4's, for the Hopper backend) comes in two parts made by
+# ../shared/gpu/cutedsl-runtime/make-parts.sh into .carry/cutedsl: carry part1 in one call and
+# part2 in the next (within 30 s, while /tmp survives); this script unpacks whichever it finds
+# and lays the patched flash-attn-4 wheel over the unpacked one.
 set -uo pipefail
 OUT=${OUT:-/tmp/gpu-session-out}
 STEPS=${STEPS:-tests}
@@ -28,6 +34,22 @@ nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,memory.used --fo
 python3 -c "import torch, sys; print('python', sys.version.split()[0], 'torch', torch.__version__, 'cuda', torch.version.cuda)" | tee -a "$LOGS/gpu.txt"
 note "commit $(cat .commit 2>/dev/null || echo unknown), $(date -u +%F), $(head -2 "$LOGS/gpu.txt" | tail -1)"
 
+if [ -f .carry/cutedsl/part1/unpack.sh ]; then
+    step "cutedsl part 1"
+    bash .carry/cutedsl/part1/unpack.sh > "$LOGS/cutedsl1.log" 2>&1 && note "cutedsl part 1: unpacked" || note "cutedsl part 1: FAILED"
+fi
+CUTEDSL_PATH=""
+if [ -f .carry/cutedsl/part2/unpack.sh ]; then
+    step "cutedsl part 2"
+    if bash .carry/cutedsl/part2/unpack.sh > "$LOGS/cutedsl2.log" 2>&1; then
+        CUTEDSL_PATH=/tmp/cutedsl/site:/tmp/cutedsl/site/nvidia_cutlass_dsl/dsl_packages
+        note "cutedsl part 2: unpacked"
+    else
+        note "cutedsl part 2: FAILED ($(tail -1 "$LOGS/cutedsl2.log"))"
+    fi
+fi
+export FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED=1 FLASH_ATTENTION_CUTE_DSL_CACHE_DIR=/tmp/cutedsl-cache
+
 step build
 start=$(date +%s)
 PYTHONPATH=python python3 -m forktools upstream --offline > "$LOGS/upstream.log" 2>&1 || { note "upstream cache: FAILED"; cat "$LOGS/upstream.log"; exit 1; }
@@ -37,7 +59,13 @@ wheel=$(ls -t dist/flash_attn-*.whl 2>/dev/null | grep -v mutant | head -1)
 [ -n "$wheel" ] || { note "build: FAILED (see build-full.log)"; tail -50 build/logs/build-dev.log; exit 1; }
 note "build: $(grep -o 'in [0-9]* s' "$LOGS/build.log" | tail -1) (wall $(( $(date +%s) - start )) s incl. re-lay), $(basename "$wheel"), $(du -m "$wheel" | cut -f1) MB"
 rm -rf /tmp/site && python3 -m pip install -q --no-deps --no-index --target /tmp/site "$wheel" || { note "install: FAILED"; exit 1; }
-export PYTHONPATH=/tmp/site
+export PYTHONPATH=/tmp/site${CUTEDSL_PATH:+:$CUTEDSL_PATH}
+if [ -n "$CUTEDSL_PATH" ]; then  # flash-attn-4 with the stage-4 patches over upstream's
+    fa4_wheel=$(ls -t dist/flash_attn_4-*.whl | head -1)
+    python3 -m pip install -q --no-deps --no-index --upgrade --target /tmp/cutedsl/site "$fa4_wheel" \
+        && note "flash-attn-4: $(basename "$fa4_wheel")" || note "flash-attn-4 install: FAILED"
+fi
+python3 -c "import flash_attn_sparse.fa4 as f; print('FA-4 backend:', f.missing_runtime() or 'available')" 2>&1 | tail -1 | tee -a "$SUMMARY"
 cp "$wheel" "$OUT/"
 
 run_tests() {  # name, pytest args...
@@ -66,6 +94,8 @@ for s in $STEPS; do
         note "sanitize: $(tr '\n' ';' < "$LOGS/sanitize.log")" ;;
     reliability)
         run_tests reliability tests/test_reliability_gpu.py ;;
+    fa4)
+        run_tests fa4 tests/test_stage4_fa4.py ;;
     bench)
         step bench
         timeout 600 python3 benchmarks/bench_sparse.py --shapes "$BENCH_SHAPES" --json "$OUT/bench.json" --markdown "$OUT/bench.md" > "$LOGS/bench.log" 2>&1

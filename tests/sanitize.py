@@ -62,6 +62,10 @@ def cases():
                                                    seqused_k=seqused_k, page_table=page_table)
             fas.flash_attn_with_sparse_block_table(q_long, k_cache, v_cache, blocks, causal=True, num_splits=num_splits,
                                                    seqused_k=seqused_k, page_table=page_table)
+    # A bad page table (ids past the cache, without validate="full") must not read out of bounds.
+    bad_table = page_table.clone()
+    bad_table[0, 0], bad_table[1, 2] = k_cache.shape[0] + 5, 2 ** 31 - 1
+    fas.flash_attn_with_sparse_block_table(q, k_cache, v_cache, blocks, causal=True, seqused_k=seqused_k, page_table=bad_table)
     print("paged: ok", flush=True)
     parts = fas.flash_attn_sparse_partials(q, k, v, [torch.tensor(t, dtype=torch.int32, device="cuda") for t in ([1, 2], [], [7])], block_size=block)
     fas.flash_attn_combine(*parts)

@@ -13,6 +13,7 @@ from .builders import (
     to_cute_block_sparse_tensors,
 )
 from .interface import (
+    choose_backend,
     flash_attn_combine,
     flash_attn_sparse_partials,
     flash_attn_speculative_sparse,
@@ -28,6 +29,7 @@ __all__ = [
     "blocks_from_flex_block_mask",
     "blocks_from_mask",
     "blocks_from_scores",
+    "choose_backend",
     "flash_attn_combine",
     "flash_attn_sparse_partials",
     "flash_attn_speculative_sparse",

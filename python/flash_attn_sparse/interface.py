@@ -1,17 +1,26 @@
 """Public API of speculative sparse attention over the FA-2 kernels."""
 
+import logging
 import math
 from typing import Optional, Sequence, Tuple, Union
 
 import torch
 from torch import Tensor
 
-from . import ops
+from . import fa4, ops
 from .metadata import (BLOCK_SIZES, SparseBlocks, cdiv, exhaustive_validation_requested, fail,
                        validate_block_contents, validate_blocks)
 
 BlockTable = Union[Tensor, SparseBlocks]
 MAX_SPLITS = 128
+BACKENDS = ("auto", "fa2", "fa4")
+# auto sends a call to the Hopper (FA-4) backend when its 128-row tiles are full and fill the GPU
+# (it has no split-KV): at least this many query rows per sequence, and at least one CTA per SM.
+# Measured crossover: stages/stage4.md.
+FA4_MIN_QUERY_ROWS = 128
+FA4_TILE_ROWS = 128
+
+logger = logging.getLogger("flash_attn_sparse")
 
 
 _SM_COUNTS = {}
@@ -171,8 +180,11 @@ class _Call:
 
     def __init__(self, q, k, v, blocks: SparseBlocks, *, causal: bool, softmax_scale, num_splits: int = 0,
                  cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None, seqused_k=None, page_table=None,
-                 validate=None, table_name="sparse_block_table"):
+                 validate=None, table_name="sparse_block_table", backend="fa2"):
         varlen = cu_seqlens_q is not None or cu_seqlens_k is not None
+        if backend not in BACKENDS:
+            fail("backend", f"must be one of {BACKENDS}, got {backend!r}")
+        self.requested_backend = backend
         _check_num_splits(num_splits)
         self.requested_splits = num_splits
         if varlen and page_table is not None:
@@ -250,7 +262,43 @@ class _Call:
         return _auto_num_splits(self.q, self.batch, self.q.shape[-2] // group, self.max_seqlen_q * group,
                                 self.blocks.max_list_length(self.max_seqlen_k), self.blocks.block_size)
 
+    def backend(self) -> Tuple[str, str]:
+        """(backend, why): the requested one, or auto's choice. A requested "fa4" that cannot
+        run this call is an error."""
+        if self.requested_backend == "fa2":
+            return "fa2", "requested"
+        unsupported = fa4.unsupported_reason(self.q, self.blocks, max_seqlen_q=self.max_seqlen_q, varlen=self.varlen,
+                                             paged=self.page_table is not None)
+        if self.requested_backend == "fa4":
+            if unsupported:
+                fail("backend", f"'fa4' cannot run this call: {unsupported}")
+            if self.requested_splits > 1:
+                fail("num_splits", "the Hopper backend has no split-KV; use num_splits=0 or 1")
+            return "fa4", "requested"
+        if torch.compiler.is_compiling():
+            return "fa2", "traced by torch.compile (the FA-2 path is a custom op)"
+        if unsupported:
+            return "fa2", unsupported
+        if self.requested_splits > 1:
+            return "fa2", "split-KV requested"
+        if self.max_seqlen_q < FA4_MIN_QUERY_ROWS:
+            return "fa2", f"max_seqlen_q {self.max_seqlen_q} < {FA4_MIN_QUERY_ROWS}: decode-shaped, FA-2 splits the list"
+        # Varlen: the tiles of an average sequence (total_q / batch) stand for each sequence's.
+        rows = self.q.shape[0] / max(self.batch, 1) if self.varlen else self.max_seqlen_q
+        ctas = self.batch * self.q.shape[-2] * math.ceil(rows / FA4_TILE_ROWS)
+        sms = _num_sms(self.q.device.index or 0)
+        if ctas < sms:
+            return "fa2", f"{ctas} FA-4 tiles < {sms} SMs: FA-2 splits the list to fill the GPU"
+        return "fa4", f"{ctas} FA-4 tiles of {FA4_TILE_ROWS} rows fill the {sms} SMs"
+
     def run(self) -> Tuple[Tensor, Tensor]:
+        backend, why = self.backend()
+        if logger.isEnabledFor(logging.DEBUG):
+            logger.debug("sparse forward on %s (%s)", backend, why)
+        if backend == "fa4":
+            return fa4.run(self.q, self.k, self.v, self.blocks, softmax_scale=self.scale, causal=self.causal,
+                           batch=self.batch, max_seqlen_q=self.max_seqlen_q, max_seqlen_k=self.max_seqlen_k,
+                           cu_seqlens_q=self.cu_seqlens_q, cu_seqlens_k=self.cu_seqlens_k, seqused_k=self.seqused_k)
         return ops.sparse_fwd(*self.op_args(self.num_splits()))
 
     def run_partial(self, out_partial: Tensor, lse_partial: Tensor, offset: int, num_splits: int) -> None:
@@ -260,7 +308,8 @@ class _Call:
 def flash_attn_with_sparse_block_table(q: Tensor, k: Tensor, v: Tensor, sparse_block_table: BlockTable,
                                        block_size: int = 128, softmax_scale: Optional[float] = None,
                                        num_splits: int = 0, causal: bool = False,
-                                       validate: Optional[str] = None, *, seqused_k: Optional[Tensor] = None,
+                                       validate: Optional[str] = None, backend: str = "auto", *,
+                                       seqused_k: Optional[Tensor] = None,
                                        page_table: Optional[Tensor] = None) -> Tuple[Tensor, Tensor]:
     """Attention of q over the K/V blocks named by sparse_block_table. Returns (out, lse).
 
@@ -279,11 +328,14 @@ def flash_attn_with_sparse_block_table(q: Tensor, k: Tensor, v: Tensor, sparse_b
     p % page_size of page page_table[b, p // page_size], and the lists still name logical
     blocks of key positions. page_size is a multiple of 16 that divides block_size or is a
     multiple of it; seqlen_k is seqused_k, else max_pages * page_size.
+    backend: "fa2" (this package's kernels), "fa4" (flash-attn-4's SM90 kernel, extra
+    `[hopper]`) or "auto" (FA-4 for prefill-shaped calls on SM90 when it can run them, else
+    FA-2); `choose_backend` tells which, and the "flash_attn_sparse" logger says so at DEBUG.
     """
     blocks = _as_blocks(sparse_block_table, block_size, q.shape[0] if isinstance(q, Tensor) and q.dim() == 4 else 1,
                         "sparse_block_table")
     call = _Call(q, k, v, blocks, causal=causal, softmax_scale=softmax_scale, num_splits=num_splits, validate=validate,
-                 seqused_k=seqused_k, page_table=page_table)
+                 backend=backend, seqused_k=seqused_k, page_table=page_table)
     return call.run()
 
 
@@ -291,13 +343,26 @@ def flash_attn_varlen_with_sparse_blocks(q: Tensor, k: Tensor, v: Tensor, cu_seq
                                          max_seqlen_q: int, max_seqlen_k: int, blocks: SparseBlocks,
                                          causal: bool = False, softmax_scale: Optional[float] = None,
                                          num_splits: int = 0, seqused_k: Optional[Tensor] = None,
-                                         validate: Optional[str] = None) -> Tuple[Tensor, Tensor]:
+                                         validate: Optional[str] = None, backend: str = "auto") -> Tuple[Tensor, Tensor]:
     """Varlen form: q (total_q, heads, head_dim), k, v (total_k, heads_k, head_dim) packed by
-    cu_seqlens; blocks in the varlen layout. Returns out like q and lse (heads, total_q)."""
+    cu_seqlens; blocks in the varlen layout. Returns out like q and lse (heads, total_q).
+    backend as in flash_attn_with_sparse_block_table."""
     call = _Call(q, k, v, blocks, causal=causal, softmax_scale=softmax_scale, num_splits=num_splits,
                  cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q,
-                 max_seqlen_k=max_seqlen_k, seqused_k=seqused_k, validate=validate, table_name="blocks")
+                 max_seqlen_k=max_seqlen_k, seqused_k=seqused_k, validate=validate, table_name="blocks",
+                 backend=backend)
     return call.run()
+
+
+def choose_backend(q: Tensor, k: Tensor, v: Tensor, blocks: BlockTable, block_size: int = 128,
+                   num_splits: int = 0, backend: str = "auto", **options) -> Tuple[str, str]:
+    """(backend, why) that flash_attn_with_sparse_block_table would use for these arguments, or,
+    given cu_seqlens_q, cu_seqlens_k, max_seqlen_q and max_seqlen_k as keywords,
+    flash_attn_varlen_with_sparse_blocks. options also takes seqused_k and page_table. Never syncs."""
+    batch = q.shape[0] if isinstance(q, Tensor) and q.dim() == 4 and "cu_seqlens_q" not in options else 1
+    call = _Call(q, k, v, _as_blocks(blocks, block_size, batch, "blocks"), causal=False, softmax_scale=None,
+                 num_splits=num_splits, backend=backend, **options)
+    return call.backend()
 
 
 def flash_attn_sparse_partials(q: Tensor, k: Tensor, v: Tensor, block_groups: Sequence[BlockTable],

@@ -194,6 +194,7 @@ std::vector<at::Tensor> mha_fwd_sparse(
         params.block_table = page_table_->data_ptr<int>();
         params.block_table_batch_stride = page_table_->stride(0);
         params.page_block_size = page_size;
+        params.sparse_num_pages = k.size(0);
     }
     // Causality applies to "mask" blocks only; the window fields stay those of a non-causal call.
     params.is_causal = is_causal;

@@ -101,6 +101,7 @@ struct SparsePagedKV {
     int page_size;
     int page_shift;    // log2(page_size), or -1 if page_size is not a power of two
     int rows_per_page; // page stride / row stride
+    int num_pages;
 
     __forceinline__ __device__ int resolve(const int pos) const {
         int page_idx, row;
@@ -112,7 +113,7 @@ struct SparsePagedKV {
             row = pos - page_idx * page_size;
         }
         const int page = __ldg(table + page_idx);
-        return page < 0 ? -1 : page * rows_per_page + row;
+        return page < 0 || page >= num_pages ? -1 : page * rows_per_page + row;
     }
 };
 
@@ -123,6 +124,7 @@ __forceinline__ __device__ SparsePagedKV get_sparse_paged_kv(const Params &param
     paged.page_size = params.page_block_size;
     paged.page_shift = (params.page_block_size & (params.page_block_size - 1)) == 0 ? __ffs(params.page_block_size) - 1 : -1;
     paged.rows_per_page = int(params.k_batch_stride / params.k_row_stride);
+    paged.num_pages = params.sparse_num_pages;
     return paged;
 }
 

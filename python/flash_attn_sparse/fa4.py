@@ -1,0 +1,186 @@
+"""The Hopper backend: sparse calls run by flash-attn-4's CuTe-DSL SM90 forward (stage 4).
+
+flash-attn-4 (imported as `flash_attn.cute`, the `[hopper]` extra) already walks per-tile
+"mask"/"full" block lists on SM90 with TMA and WGMMA. Its contract is narrower than this
+project's, so every call goes through `block_sparse_tensors`, which
+- sorts each list ascending: it walks a list from its last entry down and applies the
+  sequence-end mask to that first-processed block only, so a partial tail block must come last;
+- drops entries past the count and ids outside the sequence, and recounts (our kernels skip
+  them; its kernels would read out of bounds);
+- expands per-K/V-head lists to per-query-head ones (it accepts 1 or num_heads list heads);
+- trims the batched tables to exactly ceil(seqlen_q / q_block_size) rows, as it requires;
+- re-lays varlen rows at its stride, ceil(seqlen_k_b / block_size) entries per row.
+Empty lists keep their meaning (O = 0, LSE = -inf) and LSE comes back in the FA-2 path's layout.
+
+What it cannot run (`unsupported_reason` says why): GPUs other than SM90, head dims above 128,
+logical block sizes other than 64 and 128 (its SM90 tile_n must equal the block size), varlen
+query tiles other than 64 and 128 rows, paged K/V.
+"""
+
+import functools
+import importlib
+from typing import Optional, Tuple
+
+import torch
+from torch import Tensor
+
+from .metadata import SparseBlocks, cdiv
+
+BLOCK_SIZES = (64, 128)
+VARLEN_Q_BLOCK_SIZES = (64, 128)
+MAX_HEAD_DIM = 128
+_PAST_EVERY_ID = torch.iinfo(torch.int32).max
+
+
+def import_cute(module: str):
+    """Import flash_attn.cute.<module>.
+
+    flash-attn-4 ships `flash_attn/cute/` without a `flash_attn/__init__.py`. Installed in the
+    same site-packages as this wheel it lands inside our flash_attn package; installed elsewhere
+    (e.g. `pip install --target`), our regular flash_attn package hides it, so its folder is
+    added to flash_attn's search path.
+    """
+    try:
+        return importlib.import_module(f"flash_attn.cute.{module}")
+    except ModuleNotFoundError:
+        import pkgutil
+        import flash_attn
+        flash_attn.__path__ = pkgutil.extend_path(list(flash_attn.__path__), "flash_attn")
+        return importlib.import_module(f"flash_attn.cute.{module}")
+
+
+@functools.lru_cache(maxsize=None)
+def missing_runtime() -> Optional[str]:
+    """None when flash-attn-4 and its CuTe-DSL runtime import, else the reason."""
+    try:
+        import_cute("interface")
+    except Exception as error:  # any import failure means no Hopper backend
+        return (f"flash-attn-4 (the CuTe-DSL kernels, extra `[hopper]`) is not importable: "
+                f"{type(error).__name__}: {error}")
+    return None
+
+
+def unsupported_reason(q: Tensor, blocks: SparseBlocks, *, max_seqlen_q: int, varlen: bool,
+                       paged: bool = False) -> Optional[str]:
+    """Why this call cannot run on the Hopper backend, or None. Shapes only: never syncs."""
+    if q.device.type != "cuda" or torch.cuda.get_device_capability(q.device) != (9, 0):
+        return "the Hopper backend runs on SM90 GPUs (H100/H200) only"
+    if q.shape[-1] > MAX_HEAD_DIM:
+        return f"head_dim {q.shape[-1]} > {MAX_HEAD_DIM}"
+    if blocks.block_size not in BLOCK_SIZES:
+        return f"block_size {blocks.block_size} not in {BLOCK_SIZES} (SM90 tile_n must equal the block size)"
+    if varlen and blocks.resolved_q_block_size(max_seqlen_q) not in VARLEN_Q_BLOCK_SIZES:
+        return f"varlen q_block_size must be one of {VARLEN_Q_BLOCK_SIZES}"
+    if paged:
+        return "paged K/V with block lists is not handled by flash-attn-4's sparse producer"
+    return missing_runtime()
+
+
+def _batched_lists(cnt: Tensor, idx: Tensor, m_blocks: int, n_blocks: int) -> Tuple[Tensor, Tensor]:
+    """Sorted, range-checked (cnt, idx) of batched tables trimmed to m_blocks rows and at most
+    n_blocks entries per row."""
+    batch, heads = cnt.shape[:2]
+    cnt = cnt[:, :, :m_blocks]
+    idx = idx[:, :, :m_blocks, :n_blocks]
+    width = idx.shape[-1]
+    rank = torch.arange(width, dtype=torch.int32, device=idx.device)
+    valid = (rank < cnt.unsqueeze(-1)) & (idx >= 0) & (idx < n_blocks)
+    idx_sorted = torch.where(valid, idx, _PAST_EVERY_ID).sort(dim=-1).values
+    return valid.sum(dim=-1, dtype=torch.int32).contiguous(), idx_sorted.contiguous()
+
+
+def _varlen_lists(cnt: Tensor, idx: Tensor, cu_total_m_blocks: Tensor, cu_block_idx_offsets: Tensor,
+                  seqlens_k: Tensor, block_size: int, max_seqlen_k: int) -> Tuple[Tensor, Tensor, Tensor]:
+    """Sorted, range-checked varlen lists in flash-attn-4's layout, computed on the device.
+
+    Our rows of sequence b are n_b = (its entries) / (its query tiles) long, whatever the caller
+    chose; flash-attn-4 places row m of sequence b at offset'[b] + m * ceil(seqlen_k_b / tile_n).
+    So the rows are re-laid at that stride. Returns (cnt, idx, cu_block_idx_offsets').
+    """
+    device = idx.device
+    heads, total_m = cnt.shape
+    total_n = idx.shape[1]
+    batch = cu_total_m_blocks.shape[0] - 1
+    cu_m = cu_total_m_blocks.to(torch.int64)
+    m_per_seq = cu_m[1:] - cu_m[:-1]
+    n_per_seq = torch.where(m_per_seq > 0, (cu_block_idx_offsets[1:] - cu_block_idx_offsets[:-1]).to(torch.int64)
+                            // m_per_seq.clamp(min=1), 0)
+    blocks_per_seq = (seqlens_k.to(torch.int64) + block_size - 1) // block_size
+    new_offsets = torch.zeros(batch + 1, dtype=torch.int64, device=device)
+    new_offsets[1:] = (m_per_seq * blocks_per_seq).cumsum(0)
+    # Row r (of total_m) belongs to sequence b; its entries start at offset[b] + m * n_b.
+    row = torch.arange(total_m, device=device)
+    seq_of_row = (torch.searchsorted(cu_m, row, right=True) - 1).clamp(0, max(batch - 1, 0))
+    m_in_seq = row - cu_m[seq_of_row]
+    row_start = cu_block_idx_offsets.to(torch.int64)[seq_of_row] + m_in_seq * n_per_seq[seq_of_row]
+    new_row_start = new_offsets[seq_of_row] + m_in_seq * blocks_per_seq[seq_of_row]
+    row_width = torch.minimum(n_per_seq, blocks_per_seq)[seq_of_row]
+    entry = torch.arange(total_n, device=device)
+    row_of_entry = (torch.searchsorted(row_start, entry, right=True) - 1).clamp(0, max(total_m - 1, 0))
+    rank = entry - row_start[row_of_entry]
+    rows_of_entries = row_of_entry.unsqueeze(0).expand(heads, -1)
+    entry_cnt = cnt.gather(1, rows_of_entries)
+    valid = ((rank < n_per_seq[seq_of_row[row_of_entry]]) & (rank < entry_cnt) & (idx >= 0)
+             & (idx < blocks_per_seq[seq_of_row[row_of_entry]]))
+    # One sort over (row, id) keys orders each row, valid ids first, and keeps the rows in place.
+    keys = (row_of_entry << 32) + torch.where(valid, idx, _PAST_EVERY_ID).to(torch.int64)
+    idx_sorted = (keys.sort(dim=-1).values & 0xFFFFFFFF).to(torch.int32)
+    new_cnt = torch.minimum(torch.zeros_like(cnt).scatter_add_(1, rows_of_entries, valid.to(torch.int32)),
+                            row_width.to(torch.int32).unsqueeze(0))
+    # Entry of rank j goes to new_row_start + j; ranks past the new row's width go to a spare slot.
+    capacity = total_m * cdiv(max_seqlen_k, block_size)
+    target = torch.where(rank < row_width[row_of_entry], new_row_start[row_of_entry] + rank, capacity)
+    new_idx = torch.full((heads, capacity + 1), _PAST_EVERY_ID, dtype=torch.int32, device=device)
+    new_idx.scatter_(1, target.unsqueeze(0).expand(heads, -1), idx_sorted)
+    return new_cnt.contiguous(), new_idx[:, :max(capacity, 1)].contiguous(), new_offsets.to(torch.int32)
+
+
+def block_sparse_tensors(blocks: SparseBlocks, *, batch: int, num_heads: int, max_seqlen_q: int,
+                         max_seqlen_k: int, cu_seqlens_k: Optional[Tensor] = None,
+                         seqused_k: Optional[Tensor] = None):
+    """flash-attn-4's BlockSparseTensorsTorch for these lists, under its contract (module doc)."""
+    block_sparsity = import_cute("block_sparsity")
+    q_block = blocks.resolved_q_block_size(max_seqlen_q)
+    lists = []
+    offsets = blocks.cu_block_idx_offsets
+    for cnt, idx in ((blocks.mask_cnt, blocks.mask_idx), (blocks.full_cnt, blocks.full_idx)):
+        if cnt is None:
+            lists.append((None, None))
+            continue
+        if blocks.is_varlen:
+            seqlens_k = seqused_k if seqused_k is not None else cu_seqlens_k[1:] - cu_seqlens_k[:-1]
+            cnt, idx, offsets = _varlen_lists(cnt, idx, blocks.cu_total_m_blocks, blocks.cu_block_idx_offsets,
+                                              seqlens_k, blocks.block_size, max_seqlen_k)
+        else:
+            cnt, idx = _batched_lists(cnt, idx, cdiv(max_seqlen_q, q_block), cdiv(max_seqlen_k, blocks.block_size))
+        heads = cnt.shape[-2 if blocks.is_varlen else 1]
+        if heads not in (1, num_heads):  # per-K/V-head lists: one copy per query head of the group
+            group = num_heads // heads
+            cnt = cnt.repeat_interleave(group, dim=-2 if blocks.is_varlen else 1)
+            idx = idx.repeat_interleave(group, dim=-2 if blocks.is_varlen else 1)
+        lists.append((cnt, idx))
+    (mask_cnt, mask_idx), (full_cnt, full_idx) = lists
+    if mask_cnt is None:  # its kernels need mask lists: empty ones
+        mask_cnt, mask_idx = torch.zeros_like(full_cnt), full_idx
+    return block_sparsity.BlockSparseTensorsTorch(
+        mask_block_cnt=mask_cnt, mask_block_idx=mask_idx, full_block_cnt=full_cnt, full_block_idx=full_idx,
+        cu_total_m_blocks=blocks.cu_total_m_blocks, cu_block_idx_offsets=offsets,
+        block_size=(int(q_block), int(blocks.block_size)))
+
+
+def run(q: Tensor, k: Tensor, v: Tensor, blocks: SparseBlocks, *, softmax_scale: float, causal: bool,
+        batch: int, max_seqlen_q: int, max_seqlen_k: int, cu_seqlens_q: Optional[Tensor] = None,
+        cu_seqlens_k: Optional[Tensor] = None, seqused_k: Optional[Tensor] = None) -> Tuple[Tensor, Tensor]:
+    """The sparse forward on flash-attn-4's SM90 kernel. Returns (out, lse) as the FA-2 path does."""
+    interface = import_cute("interface")
+    tensors = block_sparse_tensors(blocks, batch=batch, num_heads=q.shape[-2], max_seqlen_q=max_seqlen_q,
+                                   max_seqlen_k=max_seqlen_k, cu_seqlens_k=cu_seqlens_k, seqused_k=seqused_k)
+    if blocks.is_varlen:
+        out, lse = interface.flash_attn_varlen_func(
+            q, k, v, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q,
+            max_seqlen_k=max_seqlen_k, seqused_k=seqused_k, softmax_scale=softmax_scale, causal=causal,
+            block_sparse_tensors=tensors, return_lse=True)
+    else:
+        out, lse = interface.flash_attn_func(q, k, v, softmax_scale=softmax_scale, causal=causal,
+                                             block_sparse_tensors=tensors, return_lse=True)
+    return out, lse

@@ -1,0 +1,214 @@
+"""Stage 4: the Hopper backend (flash-attn-4's CuTe-DSL SM90 forward) and backend routing.
+
+CPU: the list adapter (sorting, range checks, varlen re-lay) against a plain Python reference.
+GPU (SM90 with flash-attn-4 importable): the Hopper path against the fp32 reference and against
+the FA-2 path, batched and varlen, causal with mask blocks, per-head lists, fp16/bf16, head dims
+64/128; routing of backend="auto".
+"""
+
+import random
+
+import pytest
+import torch
+
+import flash_attn_sparse as fas
+from flash_attn_sparse import SparseBlocks, SparseInputError, fa4
+from flash_attn_sparse.metadata import pack_varlen_lists
+from flash_attn_sparse.reference import visibility_from_lists
+from helpers import assert_close_to_reference, max_err, poison_allocator, random_qkv
+from test_stage6_varlen_causal import causal_lists
+
+pytestmark = pytest.mark.stage4
+
+
+# --- CPU: the list adapter ---------------------------------------------------------------------
+
+def _expected_row(row, count, num_blocks):
+    return sorted(i for i in row[:count] if 0 <= i < num_blocks)
+
+
+def test_batched_lists_sorted_trimmed_and_range_checked():
+    rng = random.Random(0)
+    batch, heads, m_blocks, width, num_blocks = 2, 3, 5, 9, 7
+    idx = torch.tensor([[[[rng.randrange(-2, num_blocks + 3) for _ in range(width)] for _ in range(m_blocks)]
+                         for _ in range(heads)] for _ in range(batch)], dtype=torch.int32)
+    cnt = torch.tensor([[[rng.randrange(0, width + 3) for _ in range(m_blocks)] for _ in range(heads)]
+                        for _ in range(batch)], dtype=torch.int32)
+    new_cnt, new_idx = fa4._batched_lists(cnt, idx, m_blocks=4, n_blocks=num_blocks)
+    assert new_cnt.shape == (batch, heads, 4) and new_idx.shape == (batch, heads, 4, num_blocks)
+    for b in range(batch):
+        for h in range(heads):
+            for m in range(4):
+                expected = _expected_row(idx[b, h, m, :num_blocks].tolist(), int(cnt[b, h, m]), num_blocks)
+                assert new_cnt[b, h, m] == len(expected)
+                assert new_idx[b, h, m, :len(expected)].tolist() == expected
+
+
+@pytest.mark.parametrize("block_size", [64, 128])
+def test_varlen_lists_relaid_at_flash_attn_4_stride(block_size):
+    rng = random.Random(block_size)
+    seqlens_k = [300, 1, 0, 1000, 129]
+    m_blocks = [2, 1, 1, 3, 0]
+    heads = 2
+
+    def row(sk):
+        n = -(-sk // block_size)
+        ids = rng.sample(range(n), rng.randrange(0, n + 1)) if n else []
+        return ids + [n + 2] * rng.randrange(0, 2)  # sometimes an id past the sequence
+
+    full = [[[row(sk) for _ in range(m)] for _ in range(heads)] for sk, m in zip(seqlens_k, m_blocks)]
+    blocks = pack_varlen_lists(full, None, block_size, 128)
+    cnt = blocks.full_cnt.clone()
+    cnt[0, 0] += 3  # a count past its row
+    new_cnt, new_idx, offsets = fa4._varlen_lists(cnt, blocks.full_idx, blocks.cu_total_m_blocks,
+                                                  blocks.cu_block_idx_offsets, torch.tensor(seqlens_k),
+                                                  block_size, max(seqlens_k))
+    stride = [-(-sk // block_size) for sk in seqlens_k]
+    expected_offsets = [0]
+    for m, n in zip(m_blocks, stride):
+        expected_offsets.append(expected_offsets[-1] + m * n)
+    assert offsets.tolist() == expected_offsets
+    tile = 0
+    ours = blocks.cu_block_idx_offsets.tolist()
+    for b, (sk, m_count) in enumerate(zip(seqlens_k, m_blocks)):
+        width = (ours[b + 1] - ours[b]) // m_count if m_count else 0
+        for m in range(m_count):
+            for h in range(heads):
+                # What the FA-2 kernels read: the first cnt entries of the row (padding included).
+                row = blocks.full_idx[h, ours[b] + m * width:ours[b] + (m + 1) * width].tolist()
+                expected = sorted(i for i in row[:int(cnt[h, tile])] if 0 <= i < stride[b])[:stride[b]]
+                start = expected_offsets[b] + m * stride[b]
+                assert new_cnt[h, tile] == len(expected), (b, m, h)
+                assert new_idx[h, start:start + len(expected)].tolist() == expected, (b, m, h)
+            tile += 1
+
+
+def test_bad_backend_name_is_refused():
+    q = torch.randn(1, 4, 2, 64, dtype=torch.bfloat16)
+    k = v = torch.randn(1, 256, 2, 64, dtype=torch.bfloat16)
+    with pytest.raises(SparseInputError, match="^backend"):
+        fas.flash_attn_with_sparse_block_table(q, k, v, torch.arange(2, dtype=torch.int32), backend="fa3")
+
+
+# --- GPU: the Hopper path ----------------------------------------------------------------------
+
+def _needs_fa4():
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA GPU on this machine")
+    reason = fa4.missing_runtime()
+    if reason:
+        pytest.skip(reason)
+
+
+@pytest.mark.gpu
+@pytest.mark.sm90
+@pytest.mark.parametrize("dtype,head_dim,causal,table_heads,block_size", [
+    (torch.bfloat16, 128, False, "q", 128),
+    (torch.float16, 64, True, "kv", 128),
+    (torch.bfloat16, 128, True, "shared", 128),
+    (torch.float16, 128, True, "kv", 64),
+    (torch.bfloat16, 64, False, "kv", 64),
+], ids=["bf16-d128-q", "fp16-d64-causal-kv", "bf16-d128-causal-shared", "fp16-d128-causal-kv-bs64", "bf16-d64-kv-bs64"])
+def test_batched_matches_reference_and_fa2(dtype, head_dim, causal, table_heads, block_size):
+    _needs_fa4()
+    seed = head_dim + block_size + causal
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    rng = random.Random(seed)
+    batch, seqlen_q, seqlen_k, heads, heads_k, q_block = 2, 700, 1500, 8, 2, 128
+    q, k, v = random_qkv(batch, seqlen_q, seqlen_k, heads, heads_k, head_dim, dtype, generator=g)
+    n_table_heads = {"q": heads, "kv": heads_k, "shared": 1}[table_heads]
+    per_batch = [causal_lists(seqlen_q, seqlen_k, n_table_heads, block_size, q_block, 0.5, rng) for _ in range(batch)]
+    if not causal:  # every listed block simply visible: all "full", shuffled (tail block anywhere)
+        per_batch = [([[rng.sample(f + mk, len(f + mk)) for f, mk in zip(fh, mh)] for fh, mh in zip(full, mask)],
+                      [[[] for _ in fh] for fh in full]) for full, mask in per_batch]
+    per_batch[0][0][0][1], per_batch[0][1][0][1] = [], []  # one empty tile: O = 0, LSE = -inf
+    blocks = SparseBlocks.from_lists([pb[0] for pb in per_batch], [pb[1] for pb in per_batch], block_size=block_size,
+                                     q_block_size=q_block, device="cuda")
+    poison_allocator(((batch, seqlen_q, heads, head_dim), dtype), ((batch, heads, seqlen_q), torch.float32))
+    out, lse = fas.flash_attn_with_sparse_block_table(q, k, v, blocks, causal=causal, backend="fa4", validate="full")
+    out_fa2, lse_fa2 = fas.flash_attn_with_sparse_block_table(q, k, v, blocks, causal=causal, backend="fa2")
+    for b in range(batch):
+        visible = visibility_from_lists(per_batch[b][0], per_batch[b][1], block_size, q_block, seqlen_q, seqlen_k,
+                                        heads, causal=causal, device="cuda")
+        assert_close_to_reference(out[b:b + 1], lse[b:b + 1], q[b:b + 1], k[b:b + 1], v[b:b + 1], visible)
+    empty_rows = slice(q_block, 2 * q_block)
+    assert (out[0, empty_rows, :heads // n_table_heads] == 0).all()
+    assert torch.isneginf(lse[0, :heads // n_table_heads, empty_rows]).all()
+    assert max_err(lse, lse_fa2) <= 1e-3
+    assert max_err(out, out_fa2) <= 2e-2
+
+
+@pytest.mark.gpu
+@pytest.mark.sm90
+@pytest.mark.parametrize("dtype,block_size,causal", [
+    (torch.bfloat16, 128, True),
+    (torch.float16, 64, False),   # tile_n 64: fails without patches/flash-attn-4/0001
+    (torch.bfloat16, 64, True),
+])
+def test_varlen_ragged_batch(dtype, block_size, causal):
+    _needs_fa4()
+    seed = block_size + causal
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    rng = random.Random(seed)
+    seqlens = [(1, 1), (300, 2500), (0, 700), (1000, 1000), (65, 4097), (129, 129)]
+    heads, heads_k, q_block = 8, 2, 128
+    per_seq = [random_qkv(1, sq, sk, heads, heads_k, 128, dtype, generator=g) for sq, sk in seqlens]
+    lists = [causal_lists(sq, sk, heads_k, block_size, q_block, 0.6, rng) if sq else
+             ([[] for _ in range(heads_k)], [[] for _ in range(heads_k)]) for sq, sk in seqlens]
+    if not causal:
+        lists = [([[f + mk for f, mk in zip(fh, mh)] for fh, mh in zip(full, mask)], [[[] for _ in fh] for fh in full])
+                 for full, mask in lists]
+    blocks = pack_varlen_lists([l[0] for l in lists], [l[1] for l in lists], block_size, q_block, device="cuda")
+    cu_q = torch.tensor([0] + list(torch.tensor([s[0] for s in seqlens]).cumsum(0)), dtype=torch.int32, device="cuda")
+    cu_k = torch.tensor([0] + list(torch.tensor([s[1] for s in seqlens]).cumsum(0)), dtype=torch.int32, device="cuda")
+    q = torch.cat([x[0][0] for x in per_seq])
+    k = torch.cat([x[1][0] for x in per_seq])
+    v = torch.cat([x[2][0] for x in per_seq])
+    args = (q, k, v, cu_q, cu_k, max(s[0] for s in seqlens), max(s[1] for s in seqlens), blocks)
+    poison_allocator((tuple(q.shape), q.dtype), ((heads, q.shape[0]), torch.float32))
+    out, lse = fas.flash_attn_varlen_with_sparse_blocks(*args, causal=causal, backend="fa4", validate="full")
+    out_fa2, lse_fa2 = fas.flash_attn_varlen_with_sparse_blocks(*args, causal=causal, backend="fa2")
+    for i, (sq, sk) in enumerate(seqlens):
+        if sq == 0:
+            continue
+        visible = visibility_from_lists(lists[i][0], lists[i][1], block_size, q_block, sq, sk, heads,
+                                        causal=causal, device="cuda")
+        rows = slice(int(cu_q[i]), int(cu_q[i + 1]))
+        assert_close_to_reference(out[rows].unsqueeze(0), lse[:, rows], *per_seq[i], visible, lse_layout="hs")
+    assert max_err(lse, lse_fa2) <= 1e-3
+
+
+def test_bad_lists_skip_like_fa2():
+    """Counts past the list and ids outside the sequence are dropped, as the FA-2 kernels skip
+    them: both backends give attention over the valid entries."""
+    _needs_fa4()
+    g = torch.Generator(device="cuda").manual_seed(7)
+    q, k, v = random_qkv(1, 256, 1000, 4, 4, 128, torch.bfloat16, generator=g)
+    idx = torch.tensor([[[[7, 3, -1, 12, 0, 5]], [[1, 2, 3, 4, 5, 6]], [[0, 99, 2, 7, 1, 3]], [[6, 5, 4, 3, 2, 1]]]],
+                       dtype=torch.int32, device="cuda").expand(1, 4, 1, 6).contiguous()
+    cnt = torch.tensor([[[6], [9], [3], [0]]], dtype=torch.int32, device="cuda")
+    blocks = SparseBlocks(cnt, idx, block_size=128)
+    out, lse = fas.flash_attn_with_sparse_block_table(q, k, v, blocks, backend="fa4")
+    out_fa2, lse_fa2 = fas.flash_attn_with_sparse_block_table(q, k, v, blocks, backend="fa2")
+    assert max_err(lse, lse_fa2) <= 1e-3 and max_err(out, out_fa2) <= 2e-2
+
+
+def test_auto_routing():
+    _needs_fa4()
+    dense = lambda sk, bs=128: torch.arange(-(-sk // bs), dtype=torch.int32, device="cuda")
+    q, k, v = random_qkv(1, 4096, 4096, 8, 8, 128, torch.bfloat16)
+    assert fas.choose_backend(q, k, v, dense(4096))[0] == "fa4"
+    assert fas.choose_backend(q, k, v, dense(4096), num_splits=2)[0] == "fa2"
+    assert fas.choose_backend(q, k, v, dense(4096, 256), block_size=256)[0] == "fa2"
+    with pytest.raises(SparseInputError, match="^backend"):
+        fas.choose_backend(q, k, v, dense(4096, 256), block_size=256, backend="fa4")
+    page_table = torch.arange(32, dtype=torch.int32, device="cuda").view(1, 32)
+    k_cache, v_cache = k.view(32, 128, 8, 128), v.view(32, 128, 8, 128)
+    assert fas.choose_backend(q, k_cache, v_cache, dense(4096), page_table=page_table)[0] == "fa2"
+    with pytest.raises(SparseInputError, match="^backend"):
+        fas.choose_backend(q, k_cache, v_cache, dense(4096), page_table=page_table, backend="fa4")
+    # Fewer 128-row tiles than SMs: FA-2, which splits the list.
+    q_short = q[:, :512].expand(1, 512, 8, 128)
+    assert fas.choose_backend(q_short, k, v, dense(4096))[0] == "fa2"
+    q_decode, k_decode, v_decode = random_qkv(8, 16, 32768, 32, 8, 128, torch.bfloat16)
+    assert fas.choose_backend(q_decode, k_decode, v_decode, dense(32768))[0] == "fa2"
