@@ -59,13 +59,17 @@ wheel=$(ls -t dist/flash_attn-*.whl 2>/dev/null | grep -v mutant | head -1)
 [ -n "$wheel" ] || { note "build: FAILED (see build-full.log)"; tail -50 build/logs/build-dev.log; exit 1; }
 note "build: $(grep -o 'in [0-9]* s' "$LOGS/build.log" | tail -1) (wall $(( $(date +%s) - start )) s incl. re-lay), $(basename "$wheel"), $(du -m "$wheel" | cut -f1) MB"
 rm -rf /tmp/site && python3 -m pip install -q --no-deps --no-index --target /tmp/site "$wheel" || { note "install: FAILED"; exit 1; }
-export PYTHONPATH=/tmp/site${CUTEDSL_PATH:+:$CUTEDSL_PATH}
+export PYTHONPATH=${CUTEDSL_PATH:+$CUTEDSL_PATH:}/tmp/site
 if [ -n "$CUTEDSL_PATH" ]; then  # flash-attn-4 with the stage-4 patches over upstream's
     fa4_wheel=$(ls -t dist/flash_attn_4-*.whl | head -1)
     python3 -m pip install -q --no-deps --no-index --upgrade --target /tmp/cutedsl/site "$fa4_wheel" \
         && note "flash-attn-4: $(basename "$fa4_wheel")" || note "flash-attn-4 install: FAILED"
 fi
 python3 -c "import flash_attn_sparse.fa4 as f; print('FA-4 backend:', f.missing_runtime() or 'available')" 2>&1 | tail -1 | tee -a "$SUMMARY"
+if [ -n "$CUTEDSL_PATH" ]; then  # where the CuTe-DSL pieces come from, and any import error in full
+    python3 -m pip list 2>/dev/null | grep -iE "cutlass|quack|flash|tvm|dlpack" > "$LOGS/cutedsl-packages.txt"
+    python3 -c "import flash_attn_sparse.fa4 as f, quack, cutlass; print('quack', quack.__file__, 'cutlass', cutlass.__file__); f.import_cute('interface')" > "$LOGS/cutedsl-import.log" 2>&1
+fi
 cp "$wheel" "$OUT/"
 
 run_tests() {  # name, pytest args...

@@ -19,6 +19,7 @@ query tiles other than 64 and 128 rows, paged K/V.
 
 import functools
 import importlib
+import traceback
 from typing import Optional, Tuple
 
 import torch
@@ -55,8 +56,9 @@ def missing_runtime() -> Optional[str]:
     try:
         import_cute("interface")
     except Exception as error:  # any import failure means no Hopper backend
+        where = traceback.extract_tb(error.__traceback__)[-1]
         return (f"flash-attn-4 (the CuTe-DSL kernels, extra `[hopper]`) is not importable: "
-                f"{type(error).__name__}: {error}")
+                f"{type(error).__name__}: {error} (at {where.filename}:{where.lineno})")
     return None
 
 
