@@ -7,7 +7,7 @@
 #
 # Steps: tests (all GPU tests), mutation (V steps densely: the permuted-list tests must fail),
 # bench (benchmarks/bench_sparse.py on $BENCH_SHAPES), fullbench (the whole matrix), fa4 (the
-# stage-4 tests), sanitize, reliability.
+# stage-4 tests), crossover (FA-2 vs FA-4 as query rows grow), sanitize, reliability.
 #
 # The CuTe-DSL runtime (flash-attn-4's, for the Hopper backend) comes in two parts made by
 # ../shared/gpu/cutedsl-runtime/make-parts.sh into .carry/cutedsl: carry part1 in one call and
@@ -104,6 +104,11 @@ for s in $STEPS; do
         step bench
         timeout 600 python3 benchmarks/bench_sparse.py --shapes "$BENCH_SHAPES" --json "$OUT/bench.json" --markdown "$OUT/bench.md" > "$LOGS/bench.log" 2>&1
         note "bench: $(wc -l < "$OUT/bench.md" 2>/dev/null) lines in bench.md" ;;
+    crossover)
+        step crossover
+        timeout 600 python3 benchmarks/bench_sparse.py --shapes crossover --methods fa2_sparse,fa4_sparse,auto \
+            --json "$OUT/crossover.json" --markdown "$OUT/crossover.md" > "$LOGS/crossover.log" 2>&1
+        note "crossover: $(wc -l < "$OUT/crossover.md" 2>/dev/null) lines in crossover.md" ;;
     fullbench)
         step fullbench
         timeout 900 python3 benchmarks/bench_sparse.py --json "$OUT/bench.json" --markdown "$OUT/bench.md" > "$LOGS/bench.log" 2>&1

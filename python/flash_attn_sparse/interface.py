@@ -267,6 +267,10 @@ class _Call:
         run this call is an error."""
         if self.requested_backend == "fa2":
             return "fa2", "requested"
+        if torch.compiler.is_compiling():  # the FA-2 path is a custom op; the FA-4 one is not traceable
+            if self.requested_backend == "fa4":
+                fail("backend", "'fa4' cannot be traced by torch.compile; use 'fa2' or 'auto' there")
+            return "fa2", "traced by torch.compile"
         unsupported = fa4.unsupported_reason(self.q, self.blocks, max_seqlen_q=self.max_seqlen_q, varlen=self.varlen,
                                              paged=self.page_table is not None)
         if self.requested_backend == "fa4":
@@ -275,8 +279,6 @@ class _Call:
             if self.requested_splits > 1:
                 fail("num_splits", "the Hopper backend has no split-KV; use num_splits=0 or 1")
             return "fa4", "requested"
-        if torch.compiler.is_compiling():
-            return "fa2", "traced by torch.compile (the FA-2 path is a custom op)"
         if unsupported:
             return "fa2", unsupported
         if self.requested_splits > 1:
@@ -293,7 +295,7 @@ class _Call:
 
     def run(self) -> Tuple[Tensor, Tensor]:
         backend, why = self.backend()
-        if logger.isEnabledFor(logging.DEBUG):
+        if not torch.compiler.is_compiling() and logger.isEnabledFor(logging.DEBUG):
             logger.debug("sparse forward on %s (%s)", backend, why)
         if backend == "fa4":
             return fa4.run(self.q, self.k, self.v, self.blocks, softmax_scale=self.scale, causal=self.causal,
