@@ -154,14 +154,18 @@ def bench_shape(shape, roofline, rows, methods):
     blocks = [to_blocks(lists, shape) for lists in list_sets]
     turn = [0]
 
-    def ours(backend):
+    def ours(backend, num_splits=0):
         def run():
             turn[0] = (turn[0] + 1) % ROTATIONS
-            return fas.flash_attn_with_sparse_block_table(q, k, v, blocks[turn[0]], causal=shape.causal, backend=backend)
+            return fas.flash_attn_with_sparse_block_table(q, k, v, blocks[turn[0]], causal=shape.causal, backend=backend,
+                                                          num_splits=num_splits)
         return run
 
     if "fa2_sparse" in methods:
         add("fa2_sparse", ours("fa2"))
+    if "split_sweep" in methods and shape.seqlen_q <= 16:
+        for splits in (2, 4, 8, 16, 32):  # what the split heuristic leaves on the table
+            add(f"fa2_sparse splits={splits}", ours("fa2", splits))
     fa4_missing = fas.fa4.missing_runtime()
     if "fa4_sparse" in methods and not fa4_missing:
         add("fa4_sparse", ours("fa4"), "API, backend=fa4")

@@ -102,7 +102,7 @@ for s in $STEPS; do
         run_tests fa4 tests/test_stage4_fa4.py ;;
     bench)
         step bench
-        timeout 600 python3 benchmarks/bench_sparse.py --shapes "$BENCH_SHAPES" --json "$OUT/bench.json" --markdown "$OUT/bench.md" > "$LOGS/bench.log" 2>&1
+        timeout 600 python3 benchmarks/bench_sparse.py --shapes "$BENCH_SHAPES" ${BENCH_METHODS:+--methods "$BENCH_METHODS"} --json "$OUT/bench.json" --markdown "$OUT/bench.md" > "$LOGS/bench.log" 2>&1
         note "bench: $(wc -l < "$OUT/bench.md" 2>/dev/null) lines in bench.md" ;;
     crossover)
         step crossover
@@ -111,7 +111,7 @@ for s in $STEPS; do
         note "crossover: $(wc -l < "$OUT/crossover.md" 2>/dev/null) lines in crossover.md" ;;
     fullbench)
         step fullbench
-        timeout 900 python3 benchmarks/bench_sparse.py --json "$OUT/bench.json" --markdown "$OUT/bench.md" > "$LOGS/bench.log" 2>&1
+        timeout 900 python3 benchmarks/bench_sparse.py ${BENCH_METHODS:+--methods "$BENCH_METHODS"} --json "$OUT/bench.json" --markdown "$OUT/bench.md" > "$LOGS/bench.log" 2>&1
         note "fullbench: done" ;;
     esac
 done

@@ -14,11 +14,13 @@ from .metadata import (BLOCK_SIZES, SparseBlocks, cdiv, exhaustive_validation_re
 BlockTable = Union[Tensor, SparseBlocks]
 MAX_SPLITS = 128
 BACKENDS = ("auto", "fa2", "fa4")
-# auto sends a call to the Hopper (FA-4) backend when its 128-row tiles are full and fill the GPU
-# (it has no split-KV): at least this many query rows per sequence, and at least one CTA per SM.
-# Measured crossover: stages/stage4.md.
+# auto sends a call to the Hopper (FA-4) backend when its 128-row tiles are full and keep most of
+# the GPU busy (it has no split-KV; per busy SM it is about twice as fast as FA-2): at least this
+# many query rows per sequence and tiles for this share of the SMs. Measured crossover (H200, B1
+# H32 Sk16k): FA-2 ahead at 64 tiles, FA-4 ahead at 128; stages/stage4.md.
 FA4_MIN_QUERY_ROWS = 128
 FA4_TILE_ROWS = 128
+FA4_MIN_SM_SHARE = 0.75
 
 logger = logging.getLogger("flash_attn_sparse")
 
@@ -289,9 +291,9 @@ class _Call:
         rows = self.q.shape[0] / max(self.batch, 1) if self.varlen else self.max_seqlen_q
         ctas = self.batch * self.q.shape[-2] * math.ceil(rows / FA4_TILE_ROWS)
         sms = _num_sms(self.q.device.index or 0)
-        if ctas < sms:
-            return "fa2", f"{ctas} FA-4 tiles < {sms} SMs: FA-2 splits the list to fill the GPU"
-        return "fa4", f"{ctas} FA-4 tiles of {FA4_TILE_ROWS} rows fill the {sms} SMs"
+        if ctas < FA4_MIN_SM_SHARE * sms:
+            return "fa2", f"{ctas} FA-4 tiles for {sms} SMs: FA-2 splits the list to fill the GPU"
+        return "fa4", f"{ctas} FA-4 tiles of {FA4_TILE_ROWS} rows for {sms} SMs"
 
     def run(self) -> Tuple[Tensor, Tensor]:
         backend, why = self.backend()
