@@ -181,6 +181,8 @@ def test_varlen_ragged_batch(dtype, block_size, causal):
     assert max_err(lse, lse_fa2) <= 1e-3
 
 
+@pytest.mark.gpu
+@pytest.mark.sm90
 def test_bad_lists_skip_like_fa2():
     """Counts past the list and ids outside the sequence are dropped, as the FA-2 kernels skip
     them: both backends give attention over the valid entries."""
@@ -196,6 +198,8 @@ def test_bad_lists_skip_like_fa2():
     assert max_err(lse, lse_fa2) <= 1e-3 and max_err(out, out_fa2) <= 2e-2
 
 
+@pytest.mark.gpu
+@pytest.mark.sm90
 def test_auto_routing():
     _needs_fa4()
     dense = lambda sk, bs=128: torch.arange(-(-sk // bs), dtype=torch.int32, device="cuda")
