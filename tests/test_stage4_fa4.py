@@ -61,9 +61,9 @@ def test_varlen_lists_relaid_at_flash_attn_4_stride(block_size):
     blocks = pack_varlen_lists(full, None, block_size, 128)
     cnt = blocks.full_cnt.clone()
     cnt[0, 0] += 3  # a count past its row
-    new_cnt, new_idx, offsets = fa4._varlen_lists(cnt, blocks.full_idx, blocks.cu_total_m_blocks,
-                                                  blocks.cu_block_idx_offsets, torch.tensor(seqlens_k),
-                                                  block_size, max(seqlens_k))
+    rows = fa4._VarlenRows.of(blocks, torch.tensor(seqlens_k), max(seqlens_k))
+    new_cnt, new_idx = fa4._varlen_lists(cnt, blocks.full_idx, rows)
+    offsets = rows.new_offsets
     stride = [-(-sk // block_size) for sk in seqlens_k]
     expected_offsets = [0]
     for m, n in zip(m_blocks, stride):

@@ -333,8 +333,9 @@ def to_cute_block_sparse_tensors(blocks: SparseBlocks, max_seqlen_q: Optional[in
     ones (zero counts) are made. q_block_size=None (one row for every query row) needs
     max_seqlen_q to name the tile size. The backward-only fields (dq_write_order, ...) stay None.
     """
+    from .fa4 import import_cute
     try:
-        from flash_attn.cute.block_sparsity import BlockSparseTensorsTorch
+        BlockSparseTensorsTorch = import_cute("block_sparsity").BlockSparseTensorsTorch
     except ImportError as error:
         raise ImportError(
             "to_cute_block_sparse_tensors needs flash-attn-4, upstream's CuTe-DSL FlashAttention "

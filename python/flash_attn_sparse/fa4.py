@@ -20,6 +20,7 @@ query tiles other than 64 and 128 rows, paged K/V.
 import functools
 import importlib
 import traceback
+from dataclasses import dataclass
 from typing import Optional, Tuple
 
 import torch
@@ -81,93 +82,109 @@ def unsupported_reason(q: Tensor, blocks: SparseBlocks, *, max_seqlen_q: int, va
 def _batched_lists(cnt: Tensor, idx: Tensor, m_blocks: int, n_blocks: int) -> Tuple[Tensor, Tensor]:
     """Sorted, range-checked (cnt, idx) of batched tables trimmed to m_blocks rows and at most
     n_blocks entries per row."""
-    batch, heads = cnt.shape[:2]
     cnt = cnt[:, :, :m_blocks]
     idx = idx[:, :, :m_blocks, :n_blocks]
-    width = idx.shape[-1]
-    rank = torch.arange(width, dtype=torch.int32, device=idx.device)
+    rank = torch.arange(idx.shape[-1], dtype=torch.int32, device=idx.device)
     valid = (rank < cnt.unsqueeze(-1)) & (idx >= 0) & (idx < n_blocks)
     idx_sorted = torch.where(valid, idx, _PAST_EVERY_ID).sort(dim=-1).values
     return valid.sum(dim=-1, dtype=torch.int32).contiguous(), idx_sorted.contiguous()
 
 
-def _varlen_lists(cnt: Tensor, idx: Tensor, cu_total_m_blocks: Tensor, cu_block_idx_offsets: Tensor,
-                  seqlens_k: Tensor, block_size: int, max_seqlen_k: int) -> Tuple[Tensor, Tensor, Tensor]:
-    """Sorted, range-checked varlen lists in flash-attn-4's layout, computed on the device.
+@dataclass(frozen=True)
+class _VarlenRows:
+    """Where each entry of a varlen idx table sits, in our layout and in flash-attn-4's.
 
     Our rows of sequence b are n_b = (its entries) / (its query tiles) long, whatever the caller
     chose; flash-attn-4 places row m of sequence b at offset'[b] + m * ceil(seqlen_k_b / tile_n).
-    So the rows are re-laid at that stride. Returns (cnt, idx, cu_block_idx_offsets').
+    Computed once per call, on the device, and shared by the mask and full lists.
     """
-    device = idx.device
-    heads, total_m = cnt.shape
-    total_n = idx.shape[1]
-    batch = cu_total_m_blocks.shape[0] - 1
-    cu_m = cu_total_m_blocks.to(torch.int64)
-    m_per_seq = cu_m[1:] - cu_m[:-1]
-    n_per_seq = torch.where(m_per_seq > 0, (cu_block_idx_offsets[1:] - cu_block_idx_offsets[:-1]).to(torch.int64)
-                            // m_per_seq.clamp(min=1), 0)
-    blocks_per_seq = (seqlens_k.to(torch.int64) + block_size - 1) // block_size
-    new_offsets = torch.zeros(batch + 1, dtype=torch.int64, device=device)
-    new_offsets[1:] = (m_per_seq * blocks_per_seq).cumsum(0)
-    # Row r (of total_m) belongs to sequence b; its entries start at offset[b] + m * n_b.
-    row = torch.arange(total_m, device=device)
-    seq_of_row = (torch.searchsorted(cu_m, row, right=True) - 1).clamp(0, max(batch - 1, 0))
-    m_in_seq = row - cu_m[seq_of_row]
-    row_start = cu_block_idx_offsets.to(torch.int64)[seq_of_row] + m_in_seq * n_per_seq[seq_of_row]
-    new_row_start = new_offsets[seq_of_row] + m_in_seq * blocks_per_seq[seq_of_row]
-    row_width = torch.minimum(n_per_seq, blocks_per_seq)[seq_of_row]
-    entry = torch.arange(total_n, device=device)
-    row_of_entry = (torch.searchsorted(row_start, entry, right=True) - 1).clamp(0, max(total_m - 1, 0))
-    rank = entry - row_start[row_of_entry]
-    rows_of_entries = row_of_entry.unsqueeze(0).expand(heads, -1)
-    entry_cnt = cnt.gather(1, rows_of_entries)
-    valid = ((rank < n_per_seq[seq_of_row[row_of_entry]]) & (rank < entry_cnt) & (idx >= 0)
-             & (idx < blocks_per_seq[seq_of_row[row_of_entry]]))
+    row_of_entry: Tensor   # (total_n,) the table row each entry belongs to
+    rank: Tensor           # (total_n,) its position within that row
+    in_row: Tensor         # (total_n,) whether that position is within the row
+    entry_blocks: Tensor   # (total_n,) K/V blocks of its sequence: valid ids are below
+    row_width: Tensor      # (total_m,) entries a re-laid row holds
+    new_row_start: Tensor  # (total_m,) where a re-laid row starts
+    new_offsets: Tensor    # (batch + 1,) cu_block_idx_offsets of the re-laid table
+    capacity: int          # entries of the re-laid table (an upper bound known on the host)
+
+    @staticmethod
+    def of(blocks: SparseBlocks, seqlens_k: Tensor, max_seqlen_k: int) -> "_VarlenRows":
+        device = blocks.full_idx.device
+        total_m, total_n = blocks.full_cnt.shape[1], blocks.full_idx.shape[1]
+        batch = blocks.cu_total_m_blocks.shape[0] - 1
+        cu_m = blocks.cu_total_m_blocks.to(torch.int64)
+        offsets = blocks.cu_block_idx_offsets.to(torch.int64)
+        m_per_seq = cu_m[1:] - cu_m[:-1]
+        n_per_seq = torch.where(m_per_seq > 0, (offsets[1:] - offsets[:-1]) // m_per_seq.clamp(min=1), 0)
+        blocks_per_seq = (seqlens_k.to(torch.int64) + blocks.block_size - 1) // blocks.block_size
+        new_offsets = torch.zeros(batch + 1, dtype=torch.int64, device=device)
+        new_offsets[1:] = (m_per_seq * blocks_per_seq).cumsum(0)
+        # Row r (of total_m) belongs to sequence b; its entries start at offset[b] + m * n_b.
+        row = torch.arange(total_m, device=device)
+        seq_of_row = (torch.searchsorted(cu_m, row, right=True) - 1).clamp(0, max(batch - 1, 0))
+        m_in_seq = row - cu_m[seq_of_row]
+        row_start = offsets[seq_of_row] + m_in_seq * n_per_seq[seq_of_row]
+        entry = torch.arange(total_n, device=device)
+        row_of_entry = (torch.searchsorted(row_start, entry, right=True) - 1).clamp(0, max(total_m - 1, 0))
+        seq_of_entry = seq_of_row[row_of_entry]
+        rank = entry - row_start[row_of_entry]
+        return _VarlenRows(row_of_entry=row_of_entry, rank=rank, in_row=rank < n_per_seq[seq_of_entry],
+                           entry_blocks=blocks_per_seq[seq_of_entry],
+                           row_width=torch.minimum(n_per_seq, blocks_per_seq)[seq_of_row],
+                           new_row_start=new_offsets[seq_of_row] + m_in_seq * blocks_per_seq[seq_of_row],
+                           new_offsets=new_offsets.to(torch.int32),
+                           capacity=total_m * cdiv(max_seqlen_k, blocks.block_size))
+
+
+def _varlen_lists(cnt: Tensor, idx: Tensor, rows: _VarlenRows) -> Tuple[Tensor, Tensor]:
+    """Sorted, range-checked varlen lists re-laid in flash-attn-4's layout (see _VarlenRows)."""
+    heads = cnt.shape[0]
+    rows_of_entries = rows.row_of_entry.unsqueeze(0).expand(heads, -1)
+    valid = rows.in_row & (rows.rank < cnt.gather(1, rows_of_entries)) & (idx >= 0) & (idx < rows.entry_blocks)
     # One sort over (row, id) keys orders each row, valid ids first, and keeps the rows in place.
-    keys = (row_of_entry << 32) + torch.where(valid, idx, _PAST_EVERY_ID).to(torch.int64)
+    keys = (rows.row_of_entry << 32) + torch.where(valid, idx, _PAST_EVERY_ID).to(torch.int64)
     idx_sorted = (keys.sort(dim=-1).values & 0xFFFFFFFF).to(torch.int32)
     new_cnt = torch.minimum(torch.zeros_like(cnt).scatter_add_(1, rows_of_entries, valid.to(torch.int32)),
-                            row_width.to(torch.int32).unsqueeze(0))
+                            rows.row_width.to(torch.int32).unsqueeze(0))
     # Entry of rank j goes to new_row_start + j; ranks past the new row's width go to a spare slot.
-    capacity = total_m * cdiv(max_seqlen_k, block_size)
-    target = torch.where(rank < row_width[row_of_entry], new_row_start[row_of_entry] + rank, capacity)
-    new_idx = torch.full((heads, capacity + 1), _PAST_EVERY_ID, dtype=torch.int32, device=device)
+    target = torch.where(rows.rank < rows.row_width[rows.row_of_entry],
+                         rows.new_row_start[rows.row_of_entry] + rows.rank, rows.capacity)
+    new_idx = torch.full((heads, rows.capacity + 1), _PAST_EVERY_ID, dtype=torch.int32, device=idx.device)
     new_idx.scatter_(1, target.unsqueeze(0).expand(heads, -1), idx_sorted)
-    return new_cnt.contiguous(), new_idx[:, :max(capacity, 1)].contiguous(), new_offsets.to(torch.int32)
+    return new_cnt.contiguous(), new_idx[:, :max(rows.capacity, 1)].contiguous()
 
 
 def block_sparse_tensors(blocks: SparseBlocks, *, batch: int, num_heads: int, max_seqlen_q: int,
                          max_seqlen_k: int, cu_seqlens_k: Optional[Tensor] = None,
                          seqused_k: Optional[Tensor] = None):
     """flash-attn-4's BlockSparseTensorsTorch for these lists, under its contract (module doc)."""
-    block_sparsity = import_cute("block_sparsity")
+    from .builders import to_cute_block_sparse_tensors
     q_block = blocks.resolved_q_block_size(max_seqlen_q)
-    lists = []
-    offsets = blocks.cu_block_idx_offsets
-    for cnt, idx in ((blocks.mask_cnt, blocks.mask_idx), (blocks.full_cnt, blocks.full_idx)):
+    head_dim = 0 if blocks.is_varlen else 1
+    if blocks.is_varlen:
+        seqlens_k = seqused_k if seqused_k is not None else cu_seqlens_k[1:] - cu_seqlens_k[:-1]
+        rows = _VarlenRows.of(blocks, seqlens_k, max_seqlen_k)
+        adapt = lambda cnt, idx: _varlen_lists(cnt, idx, rows)
+    else:
+        adapt = lambda cnt, idx: _batched_lists(cnt, idx, cdiv(max_seqlen_q, q_block), cdiv(max_seqlen_k, blocks.block_size))
+
+    def adapted(cnt, idx):
         if cnt is None:
-            lists.append((None, None))
-            continue
-        if blocks.is_varlen:
-            seqlens_k = seqused_k if seqused_k is not None else cu_seqlens_k[1:] - cu_seqlens_k[:-1]
-            cnt, idx, offsets = _varlen_lists(cnt, idx, blocks.cu_total_m_blocks, blocks.cu_block_idx_offsets,
-                                              seqlens_k, blocks.block_size, max_seqlen_k)
-        else:
-            cnt, idx = _batched_lists(cnt, idx, cdiv(max_seqlen_q, q_block), cdiv(max_seqlen_k, blocks.block_size))
-        heads = cnt.shape[-2 if blocks.is_varlen else 1]
-        if heads not in (1, num_heads):  # per-K/V-head lists: one copy per query head of the group
-            group = num_heads // heads
-            cnt = cnt.repeat_interleave(group, dim=-2 if blocks.is_varlen else 1)
-            idx = idx.repeat_interleave(group, dim=-2 if blocks.is_varlen else 1)
-        lists.append((cnt, idx))
-    (mask_cnt, mask_idx), (full_cnt, full_idx) = lists
-    if mask_cnt is None:  # its kernels need mask lists: empty ones
+            return None, None
+        cnt, idx = adapt(cnt, idx)
+        if cnt.shape[head_dim] not in (1, num_heads):  # per-K/V-head lists: one copy per query head of the group
+            group = num_heads // cnt.shape[head_dim]
+            cnt, idx = cnt.repeat_interleave(group, dim=head_dim), idx.repeat_interleave(group, dim=head_dim)
+        return cnt, idx
+
+    full_cnt, full_idx = adapted(blocks.full_cnt, blocks.full_idx)
+    mask_cnt, mask_idx = adapted(blocks.mask_cnt, blocks.mask_idx)
+    if mask_cnt is None:  # its kernels need mask lists: empty ones, whose ids are never read
         mask_cnt, mask_idx = torch.zeros_like(full_cnt), full_idx
-    return block_sparsity.BlockSparseTensorsTorch(
-        mask_block_cnt=mask_cnt, mask_block_idx=mask_idx, full_block_cnt=full_cnt, full_block_idx=full_idx,
-        cu_total_m_blocks=blocks.cu_total_m_blocks, cu_block_idx_offsets=offsets,
-        block_size=(int(q_block), int(blocks.block_size)))
+    return to_cute_block_sparse_tensors(SparseBlocks(
+        full_cnt, full_idx, mask_cnt, mask_idx, block_size=blocks.block_size, q_block_size=q_block,
+        cu_total_m_blocks=blocks.cu_total_m_blocks,
+        cu_block_idx_offsets=rows.new_offsets if blocks.is_varlen else None))
 
 
 def run(q: Tensor, k: Tensor, v: Tensor, blocks: SparseBlocks, *, softmax_scale: float, causal: bool,
