@@ -7,7 +7,8 @@
 #
 # Steps: tests (all GPU tests), mutation (V steps densely: the permuted-list tests must fail),
 # bench (benchmarks/bench_sparse.py on $BENCH_SHAPES), fullbench (the whole matrix), fa4 (the
-# stage-4 tests), crossover (FA-2 vs FA-4 as query rows grow), sanitize, reliability.
+# stage-4 tests), crossover (FA-2 vs FA-4 as query rows grow), sanitize, reliability, profile
+# (benchmarks/profile_decode.py and ncu on the decode kernels).
 #
 # The CuTe-DSL runtime (flash-attn-4's, for the Hopper backend) comes in two parts made by
 # ../shared/gpu/cutedsl-runtime/make-parts.sh into .carry/cutedsl: carry part1 in one call and
@@ -109,6 +110,17 @@ for s in $STEPS; do
         timeout 600 python3 benchmarks/bench_sparse.py --shapes crossover --methods fa2_sparse,fa4_sparse,auto \
             --json "$OUT/crossover.json" --markdown "$OUT/crossover.md" > "$LOGS/crossover.log" 2>&1
         note "crossover: $(wc -l < "$OUT/crossover.md" 2>/dev/null) lines in crossover.md" ;;
+    profile)
+        step profile
+        timeout 300 python3 benchmarks/profile_decode.py > "$OUT/profile.txt" 2>&1
+        for target in "B8 Sq16" "B1 Sq1"; do
+            timeout 120 ncu --clock-control none -k regex:"flash_fwd_sparse|combine" --launch-skip 6 --launch-count 2 \
+                --section SpeedOfLight --section Occupancy --section LaunchStats --section WarpStateStats \
+                --section MemoryWorkloadAnalysis --section SchedulerStats \
+                python3 benchmarks/profile_decode.py --ncu-target "$target" > "$LOGS/ncu-${target// /_}.txt" 2>&1
+            { echo "### ncu $target"; grep -E "^  [a-z_]+.*\(|Duration|DRAM Throughput|Memory Throughput|Achieved Occupancy|Theoretical Occupancy|Registers Per Thread|Block Limit|Waves Per SM|Grid Size|Dynamic Shared|Stall|Issue Slots|L2 Hit|Eligible Warps" "$LOGS/ncu-${target// /_}.txt"; } >> "$OUT/profile.txt"
+        done
+        note "profile: $(wc -l < "$OUT/profile.txt") lines in profile.txt" ;;
     fullbench)
         step fullbench
         timeout 900 python3 benchmarks/bench_sparse.py ${BENCH_METHODS:+--methods "$BENCH_METHODS"} --json "$OUT/bench.json" --markdown "$OUT/bench.md" > "$LOGS/bench.log" 2>&1

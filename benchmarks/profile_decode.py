@@ -1,0 +1,129 @@
+"""Where decode time goes: per-kernel GPU times of one call, and a fit of time against listed
+bytes (fixed cost + bytes / bandwidth) per split count, on the decode shapes of bench_sparse.
+
+    python benchmarks/profile_decode.py [--shapes "B8 Sq16"] [--ncu-target "B8 Sq16"]
+
+--ncu-target runs only a few plain calls of one shape at 1/16 density, for
+`ncu -k regex:flash_fwd_sparse ...` to profile (no graphs, no sweep).
+"""
+
+import argparse
+import random
+import sys
+from collections import defaultdict
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_sparse import BLOCK, DECODE, make_lists, to_blocks  # noqa: E402
+from triton.testing import do_bench_cudagraph  # noqa: E402
+
+import flash_attn_sparse as fas  # noqa: E402
+
+LIST_LENGTHS = (0, 1, 2, 4, 8, 16, 32, 64)
+SPLITS = (0, 1, 2, 4, 8)
+
+
+def timed(fn):
+    """Median ms of graph replays (shorter than bench_sparse's: the sweep times ~100 cases)."""
+    fn()
+    return do_bench_cudagraph(fn, rep=20, return_mode="median")
+
+
+def short(name: str) -> str:
+    for key in ("flash_fwd_sparse_kernel", "flash_fwd_splitkv_combine_kernel", "fill", "arange", "copy", "pad", "cat"):
+        if key in name:
+            return key
+    return name[:40]
+
+
+def kernel_breakdown(fn, calls: int = 20):
+    """{kernel: (launches per call, mean us per launch)} over `calls` plain calls."""
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            fn()
+        torch.cuda.synchronize()
+    times = defaultdict(list)
+    for event in prof.events():
+        if event.device_type == torch.autograd.DeviceType.CUDA:
+            times[short(event.name)].append(event.device_time)
+    return {name: (len(t) / calls, sum(t) / len(t)) for name, t in times.items()}
+
+
+def inputs(shape, seed=0):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    q = torch.randn(shape.batch, shape.seqlen_q, shape.heads, shape.head_dim, device="cuda", generator=g).bfloat16()
+    k = torch.randn(shape.batch, shape.seqlen_k, shape.heads_k, shape.head_dim, device="cuda", generator=g).bfloat16()
+    return q, k, torch.randn_like(k)
+
+
+def profile_shape(shape):
+    q, k, v = inputs(shape)
+    rng = random.Random(0)
+    blocks = to_blocks(make_lists(shape, rng), shape)
+    n_blocks = shape.seqlen_k // BLOCK
+    spec_blocks = list(range(n_blocks - 4, n_blocks))
+    missed_list = sorted(set(make_lists(shape, rng)[0][0]) - set(spec_blocks))
+    missed = torch.tensor(missed_list, dtype=torch.int32, device="cuda")
+    spec_table = torch.tensor(spec_blocks, dtype=torch.int32, device="cuda")
+    k_spec, v_spec = k[:, -4 * BLOCK:].contiguous(), v[:, -4 * BLOCK:].contiguous()
+    union = torch.cat([missed, spec_table])
+    methods = {
+        "fa2_sparse": lambda: fas.flash_attn_with_sparse_block_table(q, k, v, blocks, backend="fa2"),
+        "fa2_sparse splits=1": lambda: fas.flash_attn_with_sparse_block_table(q, k, v, blocks, backend="fa2", num_splits=1),
+        "union_one_pass": lambda: fas.flash_attn_with_sparse_block_table(q, k, v, union, backend="fa2"),
+        "speculative_two_pass": lambda: fas.flash_attn_speculative_sparse(q, k_spec, v_spec, k, v, missed),
+        "speculative_zero_copy": lambda: fas.flash_attn_speculative_sparse_zero_copy(q, k, v, spec_table, missed),
+    }
+    print(f"## {shape.name} at 1/16: graph ms and kernels of one call (plain launches, us)")
+    for name, fn in methods.items():
+        ms = timed(fn)
+        kernels = kernel_breakdown(fn)
+        busy = sum(n * us for n, us in kernels.values())
+        detail = ", ".join(f"{k} {n:g}x{us:.1f}" for k, (n, us) in sorted(kernels.items(), key=lambda kv: -kv[1][1]))
+        print(f"{name:>22}: graph {1e3 * ms:6.1f} us, kernels {busy:6.1f} us: {detail}", flush=True)
+
+    print(f"## {shape.name}: graph us per call vs blocks per (batch, KV head) list")
+    print("splits \\ blocks | " + " | ".join(str(n) for n in LIST_LENGTHS) + " | fixed us | TB/s (fit)")
+    bytes_per_block = shape.batch * shape.heads_k * 2 * BLOCK * shape.head_dim * 2
+    for splits in SPLITS:
+        row = []
+        for n in LIST_LENGTHS:
+            table = torch.arange(n_blocks - n, n_blocks, dtype=torch.int32, device="cuda")
+            ms = timed(lambda: fas.flash_attn_with_sparse_block_table(q, k, v, table, backend="fa2", num_splits=splits))
+            row.append(1e3 * ms)
+        xs = [n * bytes_per_block for n in LIST_LENGTHS[3:]]  # fit on 4+ blocks: past the one-tile regime
+        ys = row[3:]
+        mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
+        slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sum((x - mx) ** 2 for x in xs)
+        fixed = my - slope * mx
+        label = "auto" if splits == 0 else str(splits)
+        print(f"{label} | " + " | ".join(f"{t:.1f}" for t in row) + f" | {fixed:.1f} | {1e-6 / slope:.2f}", flush=True)
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--shapes", default="B8 Sq16,B8 Sq1,B1 Sq1")
+    parser.add_argument("--ncu-target", help="a shape name substring: run 5 plain calls at 1/16 for ncu")
+    args = parser.parse_args()
+    sixteenth = [s for s in DECODE if s.density == 1 / 16]
+    if args.ncu_target:
+        shape = next(s for s in sixteenth if args.ncu_target in s.name)
+        q, k, v = inputs(shape)
+        blocks = to_blocks(make_lists(shape, random.Random(0)), shape)
+        for _ in range(5):
+            fas.flash_attn_with_sparse_block_table(q, k, v, blocks, backend="fa2")
+        torch.cuda.synchronize()
+        return
+    print(f"GPU: {torch.cuda.get_device_name()}  torch {torch.__version__}", flush=True)
+    for shape in sixteenth:
+        if any(part.strip() in shape.name for part in args.shapes.split(",")):
+            profile_shape(shape)
+
+
+if __name__ == "__main__":
+    main()
