@@ -44,6 +44,81 @@ def test_speculative_gathered_equals_attention_over_union(seqlen_q, dtype, num_s
     assert_close_to_reference(out, lse, q, keys, values, visible)
 
 
+@pytest.mark.parametrize("missed_blocks", [0, 1, 40])
+def test_speculative_two_sources_in_one_launch_edge_lists(missed_blocks):
+    """The one-launch two-pass (both sources' splits in one grid, merged in the kernel): an empty
+    or one-block missed set, and a long one, each with 16 draft rows and GQA packing."""
+    g = torch.Generator(device="cuda").manual_seed(missed_blocks)
+    block_size, seqlen_k, seqlen_q = 128, 8192, 16
+    q, k, v = random_qkv(3, seqlen_q, seqlen_k, 8, 2, 128, torch.bfloat16, generator=g)
+    n_blocks = seqlen_k // block_size
+    spec = list(range(n_blocks - 2, n_blocks))
+    missed = random.Random(missed_blocks).sample(range(n_blocks - 2), missed_blocks)
+    spec_pos = block_positions(spec, block_size, seqlen_k).cuda()
+    miss_pos = block_positions(missed, block_size, seqlen_k).cuda()
+    k_spec, v_spec = k[:, spec_pos].contiguous(), v[:, spec_pos].contiguous()
+    poison_allocator(((3, seqlen_q, 8, 128), torch.bfloat16), ((3, 8, seqlen_q), torch.float32))
+    out, lse = fas.flash_attn_speculative_sparse(q, k_spec, v_spec, k, v, torch.tensor(missed, dtype=torch.int32, device="cuda"))
+    keys, values = torch.cat([k[:, miss_pos], k_spec], dim=1), torch.cat([v[:, miss_pos], v_spec], dim=1)
+    rows = torch.arange(seqlen_q, device="cuda")[:, None]
+    visible = torch.ones(seqlen_q, keys.shape[1], dtype=torch.bool, device="cuda")
+    visible[:, miss_pos.numel():] = torch.arange(spec_pos.numel(), device="cuda")[None, :] <= rows + spec_pos.numel() - seqlen_q
+    assert_close_to_reference(out, lse, q, keys, values, visible)
+
+
+def test_speculative_falls_back_to_two_launches_when_tilings_differ():
+    """Per-query-head missed lists cannot be GQA-packed while the shared speculative list is: the
+    passes then go to two launches and the combine kernel."""
+    g = torch.Generator(device="cuda").manual_seed(5)
+    block_size, seqlen_k, seqlen_q, heads = 128, 4096, 4, 8
+    q, k, v = random_qkv(2, seqlen_q, seqlen_k, heads, 2, 128, torch.bfloat16, generator=g)
+    n_blocks = seqlen_k // block_size
+    rng = random.Random(5)
+    missed = [[[rng.sample(range(n_blocks - 1), 5)] for _ in range(heads)] for _ in range(2)]
+    blocks = fas.SparseBlocks.from_lists(missed, block_size=block_size, device="cuda")
+    k_spec, v_spec = k[:, -block_size:].contiguous(), v[:, -block_size:].contiguous()
+    out, lse = fas.flash_attn_speculative_sparse(q, k_spec, v_spec, k, v, blocks)
+    # Reference over the full K/V: each head's missed blocks, plus the last block causally.
+    visible = torch.zeros(2, heads, seqlen_q, seqlen_k, dtype=torch.bool, device="cuda")
+    for b in range(2):
+        for h in range(heads):
+            visible[b, h, :, block_positions(missed[b][h][0], block_size, seqlen_k).cuda()] = True
+    spec_pos = torch.arange(seqlen_k - block_size, seqlen_k, device="cuda")
+    rows = torch.arange(seqlen_q, device="cuda")[:, None]
+    visible[:, :, :, spec_pos] = spec_pos[None, :] <= rows + seqlen_k - seqlen_q
+    assert_close_to_reference(out, lse, q, k, v, visible)
+
+
+def test_two_sources_must_share_queries():
+    import flash_attn_2_cuda as cuda_module
+    g = torch.Generator(device="cuda").manual_seed(6)
+    q, k, v = random_qkv(1, 4, 1024, 4, 4, 128, torch.bfloat16, generator=g)
+    blocks = fas.SparseBlocks.from_block_table(torch.tensor([0, 3], dtype=torch.int32, device="cuda"), 128)
+    parts = fas.ops.partial_buffers(4, 1, 4, 4, 128, "cuda")
+    args = (blocks.full_cnt, blocks.full_idx, None, None, None, None, None, None, None, None, 4, 1024, 128, 128,
+            0.1, False, 2, False)
+    first = cuda_module.sparse_fwd_prepare(q, k, v, *args, *parts, 0)
+    with pytest.raises(RuntimeError, match="share q"):
+        cuda_module.sparse_fwd(q.clone(), k, v, None, *args, *parts, 2, True, first)
+
+
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_split_merge_in_kernel_with_empty_splits_and_rows(head_dim):
+    """128 splits of a 3-block list (most splits see nothing), and a batch whose list is empty:
+    the in-kernel merge keeps empty partials out and writes O = 0, LSE = -inf for unseen rows."""
+    g = torch.Generator(device="cuda").manual_seed(head_dim)
+    block_size, seqlen_k, seqlen_q = 64, 3000, 16
+    q, k, v = random_qkv(2, seqlen_q, seqlen_k, 8, 2, head_dim, torch.bfloat16, generator=g)
+    lists = [[[[5, 40, 17]]] * 2, [[[]]] * 2]
+    blocks = fas.SparseBlocks.from_lists(lists, block_size=block_size, device="cuda")
+    poison_allocator(((2, seqlen_q, 8, head_dim), torch.bfloat16), ((2, 8, seqlen_q), torch.float32))
+    out, lse = fas.flash_attn_with_sparse_block_table(q, k, v, blocks, num_splits=128, backend="fa2")
+    visible = torch.zeros(2, 1, seqlen_q, seqlen_k, dtype=torch.bool, device="cuda")
+    visible[0, :, :, block_positions([5, 40, 17], block_size, seqlen_k).cuda()] = True
+    assert_close_to_reference(out, lse, q, k, v, visible)
+    assert torch.all(out[1] == 0) and torch.all(lse[1] == float("-inf"))
+
+
 @pytest.mark.parametrize("block_size", [64, 128])
 @pytest.mark.parametrize("seqlen_q", [1, 16, 200])
 def test_speculative_zero_copy_equals_attention_over_union(seqlen_q, block_size):

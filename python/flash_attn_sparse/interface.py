@@ -8,7 +8,7 @@ import torch
 from torch import Tensor
 
 from . import fa4, ops
-from .metadata import (BLOCK_SIZES, SparseBlocks, cdiv, exhaustive_validation_requested, fail,
+from .metadata import (BLOCK_SIZES, SparseBlocks, cdiv, exhaustive_validation_requested, fail, int_range,
                        validate_block_contents, validate_blocks)
 
 BlockTable = Union[Tensor, SparseBlocks]
@@ -66,10 +66,16 @@ def choose_num_splits(batch_heads_mblocks: int, num_sms: int, num_tiles: int, ma
 KERNEL_ROWS = 64  # query rows per CTA of the split-capable kernel
 
 
-def _auto_num_splits(q: Tensor, batch: int, tile_heads: int, tile_rows: int, list_length: int, block_size: int) -> int:
-    tiles = cdiv(list_length * block_size, _tile_n(q.shape[-1]))
+def _auto_num_splits(q: Tensor, query_tiles: int, list_tiles: int) -> int:
     # Two 128-thread CTAs fit per SM, as upstream assumes.
-    return choose_num_splits(batch * tile_heads * cdiv(tile_rows, KERNEL_ROWS), 2 * _num_sms(q.device.index or 0), max(tiles, 1))
+    return choose_num_splits(query_tiles, 2 * _num_sms(q.device.index or 0), max(list_tiles, 1))
+
+
+def _share_splits(total: int, tiles: Sequence[int]) -> Tuple[int, ...]:
+    """total splits shared among lists of these lengths (kernel tiles) in proportion, at least
+    one each, so that the splits of one launch walk about as many tiles each."""
+    shares = [max(1, min(t, round(total * t / max(sum(tiles), 1)))) for t in tiles]
+    return tuple(shares)
 
 
 def _check_qkv(q: Tensor, k: Tensor, v: Tensor, varlen: bool, paged: bool = False) -> Tuple[Tensor, Tensor, Tensor]:
@@ -256,13 +262,26 @@ class _Call:
                 self.max_seqlen_q, self.max_seqlen_k, b.block_size, b.resolved_q_block_size(self.max_seqlen_q),
                 self.scale, self.causal, num_splits, self.pack_gqa, self.page_table)
 
+    def source_args(self, num_splits: int):
+        """The arguments of one source of ops.sparse_fwd_two_sources (batched calls)."""
+        b = self.blocks
+        return (self.k, self.v, b.full_cnt, b.full_idx, b.mask_cnt, b.mask_idx, self.max_seqlen_k, b.block_size,
+                b.resolved_q_block_size(self.max_seqlen_q), self.causal, num_splits)
+
+    def query_tiles(self) -> int:
+        """CTAs of the split kernel per split: (batch, tile head, 64-row tile)."""
+        group = self.q.shape[-2] // self.k.shape[-2] if self.pack_gqa else 1
+        return self.batch * (self.q.shape[-2] // group) * cdiv(self.max_seqlen_q * group, KERNEL_ROWS)
+
+    def list_tiles(self) -> int:
+        """Kernel tiles of the longest list, from shapes only."""
+        return cdiv(self.blocks.max_list_length(self.max_seqlen_k) * self.blocks.block_size, _tile_n(self.q.shape[-1]))
+
     def num_splits(self) -> int:
         """The requested split count, or the heuristic's choice for 0."""
         if self.requested_splits:
             return self.requested_splits
-        group = self.q.shape[-2] // self.k.shape[-2] if self.pack_gqa else 1
-        return _auto_num_splits(self.q, self.batch, self.q.shape[-2] // group, self.max_seqlen_q * group,
-                                self.blocks.max_list_length(self.max_seqlen_k), self.blocks.block_size)
+        return _auto_num_splits(self.q, self.query_tiles(), self.list_tiles())
 
     def backend(self) -> Tuple[str, str]:
         """(backend, why): the requested one, or auto's choice. A requested "fa4" that cannot
@@ -417,10 +436,6 @@ def flash_attn_combine(out_partials: Tensor, lse_partials: Tensor, out_dtype: to
     return ops.combine(out_partials.contiguous(), lse_partials.contiguous(), out_dtype, head_dim, None, 0)
 
 
-def _all_blocks(num_keys: int, block_size: int, device) -> Tensor:
-    return torch.arange(cdiv(num_keys, block_size), dtype=torch.int32, device=device)
-
-
 def flash_attn_speculative_sparse(q: Tensor, k_spec: Tensor, v_spec: Tensor, k: Tensor, v: Tensor,
                                   sparse_block_table: BlockTable, softmax_scale: Optional[float] = None,
                                   causal_spec: bool = True, block_size: int = 128, num_splits: int = 0,
@@ -434,16 +449,24 @@ def flash_attn_speculative_sparse(q: Tensor, k_spec: Tensor, v_spec: Tensor, k: 
     missed = _as_blocks(sparse_block_table, block_size, batch, "sparse_block_table")
     if not isinstance(k_spec, Tensor) or k_spec.dim() != 4:
         fail("k_spec", "must be a (batch, seqlen_spec, heads_k, head_dim) tensor")
-    spec_table = _all_blocks(k_spec.shape[1], 128, k_spec.device)
+    spec_table = int_range(0, cdiv(k_spec.shape[1], 128), k_spec.device)
     spec = SparseBlocks.from_block_table(spec_table, 128, batch, kind="mask" if causal_spec else "full")
     spec_call = _Call(q, k_spec, v_spec, spec, causal=causal_spec, softmax_scale=softmax_scale, num_splits=num_splits,
                       validate=validate, table_name="k_spec")
     missed_call = _Call(q, k, v, missed, causal=False, softmax_scale=softmax_scale, num_splits=num_splits,
                         validate=validate)
-    spec_splits = spec_call.num_splits()
-    missed_splits = missed_call.num_splits()
-    if spec_splits + missed_splits > MAX_SPLITS:
-        spec_splits, missed_splits = min(spec_splits, MAX_SPLITS // 2), min(missed_splits, MAX_SPLITS // 2)
+    if num_splits:
+        spec_splits = missed_splits = min(num_splits, MAX_SPLITS // 2)
+    else:  # the split count of one pass over both lists, shared in proportion to their lengths
+        tiles = (spec_call.list_tiles(), missed_call.list_tiles())
+        total = _auto_num_splits(spec_call.q, missed_call.query_tiles(), sum(tiles))
+        spec_splits, missed_splits = _share_splits(max(total, 2), tiles)
+    if spec_call.pack_gqa == missed_call.pack_gqa:
+        # One launch: both passes' splits in one grid, merged in the kernel.
+        return ops.sparse_fwd_two_sources(spec_call.q, spec_call.max_seqlen_q, spec_call.scale, spec_call.pack_gqa,
+                                          *spec_call.source_args(spec_splits), *missed_call.source_args(missed_splits))
+    # The passes tile the queries differently (per-query-head missed lists with GQA): two
+    # launches into one partial buffer, then the combine kernel.
     out_partial, lse_partial = ops.partial_buffers(spec_splits + missed_splits, spec_call.batch, q.shape[2],
                                                    q.shape[1], q.shape[3], q.device)
     spec_call.run_partial(out_partial, lse_partial, 0, spec_splits)

@@ -46,6 +46,28 @@ def cdiv(a: int, b: int) -> int:
     return (a + b - 1) // b
 
 
+_RAMPS = {}  # device -> int32 [0, 1, ..., n): the newest, longest ramp
+_RETIRED_RAMPS = []  # outgrown ramps, kept: a captured CUDA graph may still read them
+
+
+def int_range(start: int, stop: int, device) -> Tensor:
+    """int32 [start, stop) on device: a view of a cached ramp, so that the shared lists' counts
+    and the speculative blocks' ids cost no kernel per call. The ramp is made (and synchronised)
+    once per device and length class outside graph capture; while capturing or tracing, or on
+    CPU, a fresh tensor is made instead."""
+    device = torch.device(device)
+    if device.type != "cuda" or torch.compiler.is_compiling() or torch.cuda.is_current_stream_capturing():
+        return torch.arange(start, stop, dtype=torch.int32, device=device)
+    ramp = _RAMPS.get(device)
+    if ramp is None or ramp.numel() < stop:
+        if ramp is not None:
+            _RETIRED_RAMPS.append(ramp)
+        ramp = torch.arange(max(stop, 4096, 2 * (ramp.numel() if ramp is not None else 0)), dtype=torch.int32, device=device)
+        torch.cuda.current_stream(device).synchronize()  # other streams may read it next
+        _RAMPS[device] = ramp
+    return ramp[start:stop]
+
+
 @dataclass(frozen=True)
 class SparseBlocks:
     """Which K/V blocks each (batch, head, query tile) attends to. See the module docstring.
@@ -103,7 +125,7 @@ class SparseBlocks:
         n = table.shape[0]
 
         def shared_count(value: int) -> Tensor:
-            return torch.full((1, 1, 1), value, dtype=torch.int32, device=table.device).expand(batch_size, 1, 1)
+            return int_range(value, value + 1, table.device).view(1, 1, 1).expand(batch_size, 1, 1)
 
         idx = table.view(1, 1, 1, n).expand(batch_size, 1, 1, n)
         if kind == "full":

@@ -336,13 +336,93 @@ __forceinline__ __device__ void write_empty_sparse_tile(const Output &output) {
     }
 }
 
+// Split-KV with the merge in the kernel (params.sparse_tile_arrivals set), instead of a combine
+// kernel: each split of a query tile counts itself in once its partial is written, and the last
+// one to arrive merges the tile's rows over slots [0, sparse_num_slots) into O and LSE, as the
+// combine kernel does, while the partials are still in L2. A warp merges one row at a time:
+// lane l holds the LSEs of slots l, l + 32, ..., and 4 columns of every 128.
+template<typename Kernel_traits, typename Params>
+__forceinline__ __device__ void merge_split_tile(const Params &params, const SparseTileRows &rows,
+                                                 const BlockInfo</*Varlen=*/true> &binfo, const int bidb, const int query_tile) {
+    using Element = typename Kernel_traits::Element;
+    using index_t = typename Kernel_traits::index_t;
+    constexpr int kBlockM = Kernel_traits::kBlockM;
+    constexpr int kNWarps = Kernel_traits::kNWarps;
+    constexpr int kSlotRounds = 128 / 32;  // the host allows at most 128 slots
+    __shared__ int is_last;
+    // Publish this CTA's partial before counting it in (the CUDA threadfence-reduction pattern).
+    __threadfence();
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        is_last = atomicAdd(params.sparse_tile_arrivals + query_tile, 1) == params.sparse_split_arrivals - 1;
+    }
+    __syncthreads();
+    if (!is_last) { return; }
+    __threadfence();
+
+    const SparseOutput<Kernel_traits, /*Split=*/false, Params> output(params, rows, binfo, bidb, /*slot=*/0);
+    const float *lse_partial = reinterpret_cast<const float *>(params.softmax_lseaccum_ptr);
+    const float *o_partial = reinterpret_cast<const float *>(params.oaccum_ptr);
+    const index_t slot_rows = index_t(params.b) * params.h * params.seqlen_q;
+    const int lane = threadIdx.x % 32;
+    MaxOp<float> max_op;
+    SumOp<float> sum_op;
+    for (int r = threadIdx.x / 32; r < kBlockM && rows.valid(r); r += kNWarps) {
+        const index_t row = (index_t(bidb) * params.h + rows.head(r)) * params.seqlen_q + rows.position(r);
+        float lse[kSlotRounds];
+        float lse_max = -INFINITY;
+        #pragma unroll
+        for (int i = 0; i < kSlotRounds; ++i) {
+            const int slot = i * 32 + lane;
+            lse[i] = slot < params.sparse_num_slots ? __ldcg(lse_partial + slot * slot_rows + row) : -INFINITY;
+            lse_max = max(lse_max, lse[i]);
+        }
+        lse_max = Allreduce<32>::run(lse_max, max_op);
+        const float lse_max_finite = lse_max == -INFINITY ? 0.f : lse_max;
+        float lse_sum = 0.f;
+        #pragma unroll
+        for (int i = 0; i < kSlotRounds; ++i) { lse_sum += expf(lse[i] - lse_max_finite); }
+        lse_sum = Allreduce<32>::run(lse_sum, sum_op);
+        // A row that no partial saw keeps LSE = -inf and O = 0 (the sparse contract).
+        const bool empty = lse_sum == 0.f || lse_sum != lse_sum;
+        const float lse_final = empty ? -INFINITY : logf(lse_sum) + lse_max_finite;
+        float scale[kSlotRounds];
+        #pragma unroll
+        for (int i = 0; i < kSlotRounds; ++i) { scale[i] = empty ? 0.f : expf(lse[i] - lse_final); }
+        if (lane == 0) { output.write_lse(r, lse_final); }
+        const index_t o_row = output.o_offset(r);
+        for (int c0 = 0; c0 < params.d; c0 += 128) {  // uniform bounds: the shuffles need the whole warp
+            const int c = c0 + lane * 4;
+            float acc[4] = {0.f, 0.f, 0.f, 0.f};
+            #pragma unroll
+            for (int i = 0; i < kSlotRounds; ++i) {
+                if (i * 32 >= params.sparse_num_slots) { break; }
+                for (int j = 0; j < 32; ++j) {
+                    const float slot_scale = __shfl_sync(uint32_t(-1), scale[i], j);
+                    if (slot_scale == 0.f || c >= params.d) { continue; }  // an absent or empty slot
+                    const float4 o = __ldcg(reinterpret_cast<const float4 *>(
+                        o_partial + ((i * 32 + j) * slot_rows + row) * params.d_rounded + c));
+                    acc[0] += slot_scale * o.x; acc[1] += slot_scale * o.y;
+                    acc[2] += slot_scale * o.z; acc[3] += slot_scale * o.w;
+                }
+            }
+            if (c < params.d) {
+                cutlass::AlignedArray<Element, 4> out;
+                #pragma unroll
+                for (int e = 0; e < 4; ++e) { out[e] = Element(acc[e]); }
+                *reinterpret_cast<cutlass::AlignedArray<Element, 4> *>(output.o_ptr() + o_row + c) = out;
+            }
+        }
+    }
+}
+
 ////////////////////////////////////////////////////////////////////////////////////////////////////
 
 // Paged: K/V are paged caches (params.block_table); a template flag so that the contiguous
 // kernels keep their registers.
 template<typename Kernel_traits, bool Is_even_K, bool Split, bool Paged, typename Params>
 inline __device__ void compute_attn_1rowblock_sparse(const Params &params, const int bidb, const int bidh, const int m_block,
-                                                     const int n_split_idx, const int num_n_splits) {
+                                                     const int n_split_idx, const int num_n_splits, const int query_tile) {
     using Element = typename Kernel_traits::Element;
     using ElementAccum = typename Kernel_traits::ElementAccum;
     using index_t = typename Kernel_traits::index_t;
@@ -376,6 +456,9 @@ inline __device__ void compute_attn_1rowblock_sparse(const Params &params, const
     const int tile_max = std::min(n_tiles, tile_min + tiles_per_split);
     if (tile_min >= tile_max) {
         write_empty_sparse_tile<Kernel_traits, Is_even_K, Split>(output);
+        if constexpr (Split) {
+            if (params.sparse_tile_arrivals != nullptr) { merge_split_tile<Kernel_traits>(params, rows, binfo, bidb, query_tile); }
+        }
         return;
     }
 
@@ -568,6 +651,9 @@ inline __device__ void compute_attn_1rowblock_sparse(const Params &params, const
         for (int k = 0; k < size(tOpO); ++k) { tOpO(k) = get<1>(tOcO(0, 0, k)) < params.d; }
     }
     store_rows<Is_even_K>(gmem_tiled_copy_Oaccum, tOrOaccum, tOgO0, tOpO, [&](int m) { return output.o_offset(get<0>(tOcO(0, m, 0))); });
+    if constexpr (Split) {
+        if (params.sparse_tile_arrivals != nullptr) { merge_split_tile<Kernel_traits>(params, rows, binfo, bidb, query_tile); }
+    }
 }
 
 } // namespace FLASH_NAMESPACE
