@@ -99,13 +99,13 @@ def test_two_sources_must_share_queries():
             0.1, False, 2, False)
     first = cuda_module.sparse_fwd_prepare(q, k, v, *args, *parts, 0)
     with pytest.raises(RuntimeError, match="share q"):
-        cuda_module.sparse_fwd(q.clone(), k, v, None, *args, *parts, 2, True, first)
+        cuda_module.sparse_fwd(q.clone(), k, v, None, *args, *parts, 2, True, first, True)
 
 
 @pytest.mark.parametrize("head_dim", [64, 128])
-def test_split_merge_in_kernel_with_empty_splits_and_rows(head_dim):
+def test_split_merge_with_empty_splits_and_rows(head_dim):
     """128 splits of a 3-block list (most splits see nothing), and a batch whose list is empty:
-    the in-kernel merge keeps empty partials out and writes O = 0, LSE = -inf for unseen rows."""
+    the merge keeps empty partials out and writes O = 0, LSE = -inf for unseen rows."""
     g = torch.Generator(device="cuda").manual_seed(head_dim)
     block_size, seqlen_k, seqlen_q = 64, 3000, 16
     q, k, v = random_qkv(2, seqlen_q, seqlen_k, 8, 2, head_dim, torch.bfloat16, generator=g)

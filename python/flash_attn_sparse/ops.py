@@ -4,10 +4,20 @@ torch.compile(fullgraph=True) traces calls to them.
 The kernels live in flash_attn_2_cuda (the patched FA-2 extension): `sparse_fwd` and `combine`.
 """
 
+import os
 from typing import Optional, Tuple
 
 import torch
 from torch import Tensor
+
+# Where the partials of a split-KV call are merged: "combine" (the split-KV combine kernel, launched
+# after the forward) or "kernel" (by the last split of each query tile, in the forward). Read once,
+# at import; benchmarks/profile_decode.py times both.
+MERGE_MODES = ("combine", "kernel")
+MERGE_ENV = "FLASH_ATTN_SPARSE_MERGE"
+MERGE = os.environ.get(MERGE_ENV, "combine")
+if MERGE not in MERGE_MODES:
+    raise ValueError(f"{MERGE_ENV} must be one of {MERGE_MODES}, got {MERGE!r}")
 
 
 def _cuda_module():
@@ -32,7 +42,7 @@ def sparse_fwd(q: Tensor, k: Tensor, v: Tensor, full_cnt: Tensor, full_idx: Tens
     out, lse = _cuda_module().sparse_fwd(
         q, k, v, None, full_cnt, full_idx, mask_cnt, mask_idx, cu_seqlens_q, cu_seqlens_k, seqused_k, page_table,
         cu_total_m_blocks, cu_block_idx_offsets, max_seqlen_q, max_seqlen_k, block_size, q_block_size,
-        softmax_scale, causal, num_splits, pack_gqa, None, None, 0, False, None)
+        softmax_scale, causal, num_splits, pack_gqa, None, None, 0, False, None, MERGE == "kernel")
     return out, lse
 
 
@@ -61,7 +71,7 @@ def sparse_fwd_partial(q: Tensor, k: Tensor, v: Tensor, full_cnt: Tensor, full_i
     _cuda_module().sparse_fwd(
         q, k, v, None, full_cnt, full_idx, mask_cnt, mask_idx, cu_seqlens_q, cu_seqlens_k, seqused_k, page_table,
         cu_total_m_blocks, cu_block_idx_offsets, max_seqlen_q, max_seqlen_k, block_size, q_block_size,
-        softmax_scale, causal, num_splits, pack_gqa, out_partial, lse_partial, partial_offset, False, None)
+        softmax_scale, causal, num_splits, pack_gqa, out_partial, lse_partial, partial_offset, False, None, False)
 
 
 @sparse_fwd_partial.register_fake
@@ -78,7 +88,7 @@ def sparse_fwd_two_sources(q: Tensor, max_seqlen_q: int, softmax_scale: float, p
                            mask_cnt2: Optional[Tensor], mask_idx2: Optional[Tensor], max_seqlen_k2: int,
                            block_size2: int, q_block_size2: int, causal2: bool, num_splits2: int) -> Tuple[Tensor, Tensor]:
     """Attention of batched q over two sources (K/V and lists each) in one launch: the splits of
-    both write fp32 partials to one buffer and the last split of each query tile merges them."""
+    both write fp32 partials to one buffer, merged as MERGE says."""
     module = _cuda_module()
     out_partial, lse_partial = partial_buffers(num_splits1 + num_splits2, q.shape[0], q.shape[2], q.shape[1], q.shape[3], q.device)
     first = module.sparse_fwd_prepare(
@@ -88,7 +98,7 @@ def sparse_fwd_two_sources(q: Tensor, max_seqlen_q: int, softmax_scale: float, p
     out, lse = module.sparse_fwd(
         q, k2, v2, None, full_cnt2, full_idx2, mask_cnt2, mask_idx2, None, None, None, None, None, None,
         max_seqlen_q, max_seqlen_k2, block_size2, q_block_size2, softmax_scale, causal2, num_splits2, pack_gqa,
-        out_partial, lse_partial, num_splits1, True, first)
+        out_partial, lse_partial, num_splits1, True, first, MERGE == "kernel")
     return out, lse
 
 

@@ -78,6 +78,7 @@ struct SparseLaunch {
     bool partial = false;  // fp32 partials into the caller's buffers
     bool split = false;    // the split kernel (partials, merged in the kernel unless partial and not merge)
     bool wide = false;     // 128-row tiles
+    bool merge = false;    // the partials are merged into out and softmax_lse (in the kernel or by the combine kernel)
 };
 
 SparseLaunch prepare_sparse(
@@ -92,7 +93,7 @@ SparseLaunch prepare_sparse(
     int block_size, int q_block_size,
     double softmax_scale, bool is_causal, int num_splits, bool pack_gqa,
     std::optional<at::Tensor> out_partial_, std::optional<at::Tensor> lse_partial_, int partial_offset,
-    bool merge_partials) {
+    bool merge_partials, bool merge_in_kernel) {
 
     auto [cc_major, cc_minor] = get_compute_capability(get_current_device());
     TORCH_CHECK(cc_major >= 8, "FlashAttention only supports Ampere GPUs or newer.");
@@ -269,7 +270,8 @@ SparseLaunch prepare_sparse(
         params.oaccum_ptr = call.out_accum.data_ptr();
         params.softmax_lseaccum_ptr = call.lse_accum.data_ptr();
     }
-    if (call.split && (!call.partial || merge_partials)) {
+    call.merge = call.split && (!call.partial || merge_partials);
+    if (call.merge && merge_in_kernel) {
         // One arrival counter per query tile of the split kernel's grid (64-row tiles).
         const int tiles = batch_size * (num_heads / group) * ((seqlen_q * group + kSparseNarrowBlockM - 1) / kSparseNarrowBlockM);
         call.arrivals = torch::zeros({std::max(tiles, 1)}, opts.dtype(at::kInt));
@@ -298,12 +300,12 @@ std::vector<at::Tensor> mha_fwd_sparse(
     int block_size, int q_block_size,
     double softmax_scale, bool is_causal, int num_splits, bool pack_gqa,
     std::optional<at::Tensor> out_partial_, std::optional<at::Tensor> lse_partial_, int partial_offset,
-    bool merge_partials, std::optional<at::Tensor> first_source_) {
+    bool merge_partials, std::optional<at::Tensor> first_source_, bool merge_in_kernel) {
     at::cuda::CUDAGuard device_guard{q.device()};
     SparseLaunch call = prepare_sparse(q, k, v, out_, full_cnt, full_idx, mask_cnt_, mask_idx_, cu_seqlens_q_, cu_seqlens_k_,
                                        seqused_k_, page_table_, cu_total_m_blocks_, cu_block_idx_offsets_, max_seqlen_q,
                                        max_seqlen_k, block_size, q_block_size, softmax_scale, is_causal, num_splits, pack_gqa,
-                                       out_partial_, lse_partial_, partial_offset, merge_partials);
+                                       out_partial_, lse_partial_, partial_offset, merge_partials, merge_in_kernel);
     Flash_fwd_params &params = call.params;
     Flash_fwd_params first;
     const bool two_sources = first_source_.has_value();
@@ -341,6 +343,11 @@ std::vector<at::Tensor> mha_fwd_sparse(
     } else {
         run_sparse(params, stream, call.wide, call.split, nullptr);
     }
+    if (call.merge && !merge_in_kernel) {
+        Flash_fwd_params combine = params;
+        combine.num_splits = params.sparse_num_slots;
+        run_combine(combine, stream);
+    }
     if (call.partial && !merge_partials) { return {call.out_accum, call.lse_accum}; }
     return {call.out, call.softmax_lse};
 }
@@ -360,7 +367,8 @@ at::Tensor mha_fwd_sparse_prepare(
     SparseLaunch call = prepare_sparse(q, k, v, std::nullopt, full_cnt, full_idx, mask_cnt_, mask_idx_, cu_seqlens_q_, cu_seqlens_k_,
                                        seqused_k_, page_table_, cu_total_m_blocks_, cu_block_idx_offsets_, max_seqlen_q,
                                        max_seqlen_k, block_size, q_block_size, softmax_scale, is_causal, num_splits, pack_gqa,
-                                       out_partial, lse_partial, partial_offset, /*merge_partials=*/false);
+                                       out_partial, lse_partial, partial_offset, /*merge_partials=*/false,
+                                       /*merge_in_kernel=*/false);
     at::Tensor blob = torch::empty({int64_t(sizeof(Flash_fwd_params))}, at::TensorOptions().dtype(torch::kUInt8));
     std::memcpy(blob.data_ptr(), &call.params, sizeof(Flash_fwd_params));
     return blob;

@@ -19,7 +19,8 @@ namespace FLASH_NAMESPACE {
 // is given, writes fp32 partials to its slots [partial_offset, partial_offset + num_splits) and
 // returns {out_partial, lse_partial}; with merge_partials also, it then merges all slots of
 // out_partial (each written by this or an earlier call) into {out, softmax_lse}, which it returns.
-// Splits (num_splits > 1) are merged in the kernel, by the last split of each query tile. pack_gqa puts the query heads of a K/V head in one tile
+// Splits (num_splits > 1) are merged by the last split of each query tile if merge_in_kernel, else
+// by the combine kernel after the forward. pack_gqa puts the query heads of a K/V head in one tile
 // (the lists must then be shared or per K/V head). With page_table (b x max_pages int32, batched
 // only), k and v are paged caches (num_pages x page_size x h_k x d): key position p of batch b is
 // row p % page_size of page page_table[b][p / page_size].
@@ -35,7 +36,7 @@ std::vector<at::Tensor> mha_fwd_sparse(
     int block_size, int q_block_size,
     double softmax_scale, bool is_causal, int num_splits, bool pack_gqa,
     std::optional<at::Tensor> out_partial_, std::optional<at::Tensor> lse_partial_, int partial_offset,
-    bool merge_partials, std::optional<at::Tensor> first_source_);
+    bool merge_partials, std::optional<at::Tensor> first_source_, bool merge_in_kernel);
 
 // Validates a sparse forward into partial slots like mha_fwd_sparse and returns its parameters
 // (a CPU byte tensor) without launching, for a later mha_fwd_sparse call to launch with its own
