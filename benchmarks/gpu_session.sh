@@ -8,8 +8,7 @@
 # Steps: tests (all GPU tests), mutation (V steps densely: the permuted-list tests must fail),
 # bench (benchmarks/bench_sparse.py on $BENCH_SHAPES), fullbench (the whole matrix), fa4 (the
 # stage-4 tests), crossover (FA-2 vs FA-4 as query rows grow), sanitize, reliability, profile
-# (benchmarks/profile_decode.py and ncu on the decode kernels), merge-kernel (later steps merge
-# split-KV partials in the forward kernel: FLASH_ATTN_SPARSE_MERGE=kernel).
+# (benchmarks/profile_decode.py and ncu on the decode kernels).
 #
 # The CuTe-DSL runtime (flash-attn-4's, for the Hopper backend) comes in two parts made by
 # ../shared/gpu/cutedsl-runtime/make-parts.sh into .carry/cutedsl: carry part1 in one call and
@@ -83,11 +82,8 @@ run_tests() {  # name, pytest args...
 
 for s in $STEPS; do
     case $s in
-    merge-kernel)  # the following steps merge split-KV partials in the forward kernel
-        export FLASH_ATTN_SPARSE_MERGE=kernel BENCH_METHODS=${MERGE_KERNEL_BENCH_METHODS:-$BENCH_METHODS}
-        note "split-KV merge: in the kernel from here on" ;;
     tests)
-        run_tests "gpu${FLASH_ATTN_SPARSE_MERGE:+-merge-$FLASH_ATTN_SPARSE_MERGE}" tests -m "gpu" ;;
+        run_tests gpu tests -m "gpu" ;;
     mutation)
         step mutation
         PYTHONPATH=python python3 -m forktools build --profile dev --jobs "$(nproc)" \
@@ -107,10 +103,8 @@ for s in $STEPS; do
         run_tests fa4 tests/test_stage4_fa4.py ;;
     bench)
         step bench
-        tag=${FLASH_ATTN_SPARSE_MERGE:+-merge-$FLASH_ATTN_SPARSE_MERGE}
-        timeout 600 python3 benchmarks/bench_sparse.py --shapes "$BENCH_SHAPES" ${BENCH_METHODS:+--methods "$BENCH_METHODS"} \
-            --json "$OUT/bench$tag.json" --markdown "$OUT/bench$tag.md" > "$LOGS/bench$tag.log" 2>&1
-        note "bench: $(wc -l < "$OUT/bench$tag.md" 2>/dev/null) lines in bench$tag.md" ;;
+        timeout 600 python3 benchmarks/bench_sparse.py --shapes "$BENCH_SHAPES" ${BENCH_METHODS:+--methods "$BENCH_METHODS"} --json "$OUT/bench.json" --markdown "$OUT/bench.md" > "$LOGS/bench.log" 2>&1
+        note "bench: $(wc -l < "$OUT/bench.md" 2>/dev/null) lines in bench.md" ;;
     crossover)
         step crossover
         timeout 600 python3 benchmarks/bench_sparse.py --shapes crossover --methods fa2_sparse,fa4_sparse,auto \

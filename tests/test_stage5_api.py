@@ -45,9 +45,8 @@ def test_speculative_gathered_equals_attention_over_union(seqlen_q, dtype, num_s
 
 
 @pytest.mark.parametrize("missed_blocks", [0, 1, 40])
-def test_speculative_two_sources_in_one_launch_edge_lists(missed_blocks):
-    """The one-launch two-pass (both sources' splits in one grid, merged in the kernel): an empty
-    or one-block missed set, and a long one, each with 16 draft rows and GQA packing."""
+def test_speculative_edge_missed_sets(missed_blocks):
+    """An empty or one-block missed set, and a long one, each with 16 draft rows and GQA packing."""
     g = torch.Generator(device="cuda").manual_seed(missed_blocks)
     block_size, seqlen_k, seqlen_q = 128, 8192, 16
     q, k, v = random_qkv(3, seqlen_q, seqlen_k, 8, 2, 128, torch.bfloat16, generator=g)
@@ -66,9 +65,9 @@ def test_speculative_two_sources_in_one_launch_edge_lists(missed_blocks):
     assert_close_to_reference(out, lse, q, keys, values, visible)
 
 
-def test_speculative_falls_back_to_two_launches_when_tilings_differ():
-    """Per-query-head missed lists cannot be GQA-packed while the shared speculative list is: the
-    passes then go to two launches and the combine kernel."""
+def test_speculative_with_per_query_head_missed_lists():
+    """Per-query-head missed lists (not GQA-packed) with a shared, packed speculative list: the
+    two passes tile the queries differently and still merge row by row."""
     g = torch.Generator(device="cuda").manual_seed(5)
     block_size, seqlen_k, seqlen_q, heads = 128, 4096, 4, 8
     q, k, v = random_qkv(2, seqlen_q, seqlen_k, heads, 2, 128, torch.bfloat16, generator=g)
@@ -87,19 +86,6 @@ def test_speculative_falls_back_to_two_launches_when_tilings_differ():
     rows = torch.arange(seqlen_q, device="cuda")[:, None]
     visible[:, :, :, spec_pos] = spec_pos[None, :] <= rows + seqlen_k - seqlen_q
     assert_close_to_reference(out, lse, q, k, v, visible)
-
-
-def test_two_sources_must_share_queries():
-    import flash_attn_2_cuda as cuda_module
-    g = torch.Generator(device="cuda").manual_seed(6)
-    q, k, v = random_qkv(1, 4, 1024, 4, 4, 128, torch.bfloat16, generator=g)
-    blocks = fas.SparseBlocks.from_block_table(torch.tensor([0, 3], dtype=torch.int32, device="cuda"), 128)
-    parts = fas.ops.partial_buffers(4, 1, 4, 4, 128, "cuda")
-    args = (blocks.full_cnt, blocks.full_idx, None, None, None, None, None, None, None, None, 4, 1024, 128, 128,
-            0.1, False, 2, False)
-    first = cuda_module.sparse_fwd_prepare(q, k, v, *args, *parts, 0)
-    with pytest.raises(RuntimeError, match="share q"):
-        cuda_module.sparse_fwd(q.clone(), k, v, None, *args, *parts, 2, True, first, True)
 
 
 @pytest.mark.parametrize("head_dim", [64, 128])

@@ -66,16 +66,10 @@ def choose_num_splits(batch_heads_mblocks: int, num_sms: int, num_tiles: int, ma
 KERNEL_ROWS = 64  # query rows per CTA of the split-capable kernel
 
 
-def _auto_num_splits(q: Tensor, query_tiles: int, list_tiles: int) -> int:
+def _auto_num_splits(q: Tensor, batch: int, tile_heads: int, tile_rows: int, list_length: int, block_size: int) -> int:
+    tiles = cdiv(list_length * block_size, _tile_n(q.shape[-1]))
     # Two 128-thread CTAs fit per SM, as upstream assumes.
-    return choose_num_splits(query_tiles, 2 * _num_sms(q.device.index or 0), max(list_tiles, 1))
-
-
-def _share_splits(total: int, tiles: Sequence[int]) -> Tuple[int, ...]:
-    """total splits shared among lists of these lengths (kernel tiles) in proportion, at least
-    one each, so that the splits of one launch walk about as many tiles each."""
-    shares = [max(1, min(t, round(total * t / max(sum(tiles), 1)))) for t in tiles]
-    return tuple(shares)
+    return choose_num_splits(batch * tile_heads * cdiv(tile_rows, KERNEL_ROWS), 2 * _num_sms(q.device.index or 0), max(tiles, 1))
 
 
 def _check_qkv(q: Tensor, k: Tensor, v: Tensor, varlen: bool, paged: bool = False) -> Tuple[Tensor, Tensor, Tensor]:
@@ -262,26 +256,13 @@ class _Call:
                 self.max_seqlen_q, self.max_seqlen_k, b.block_size, b.resolved_q_block_size(self.max_seqlen_q),
                 self.scale, self.causal, num_splits, self.pack_gqa, self.page_table)
 
-    def source_args(self, num_splits: int):
-        """The arguments of one source of ops.sparse_fwd_two_sources (batched calls)."""
-        b = self.blocks
-        return (self.k, self.v, b.full_cnt, b.full_idx, b.mask_cnt, b.mask_idx, self.max_seqlen_k, b.block_size,
-                b.resolved_q_block_size(self.max_seqlen_q), self.causal, num_splits)
-
-    def query_tiles(self) -> int:
-        """CTAs of the split kernel per split: (batch, tile head, 64-row tile)."""
-        group = self.q.shape[-2] // self.k.shape[-2] if self.pack_gqa else 1
-        return self.batch * (self.q.shape[-2] // group) * cdiv(self.max_seqlen_q * group, KERNEL_ROWS)
-
-    def list_tiles(self) -> int:
-        """Kernel tiles of the longest list, from shapes only."""
-        return cdiv(self.blocks.max_list_length(self.max_seqlen_k) * self.blocks.block_size, _tile_n(self.q.shape[-1]))
-
     def num_splits(self) -> int:
         """The requested split count, or the heuristic's choice for 0."""
         if self.requested_splits:
             return self.requested_splits
-        return _auto_num_splits(self.q, self.query_tiles(), self.list_tiles())
+        group = self.q.shape[-2] // self.k.shape[-2] if self.pack_gqa else 1
+        return _auto_num_splits(self.q, self.batch, self.q.shape[-2] // group, self.max_seqlen_q * group,
+                                self.blocks.max_list_length(self.max_seqlen_k), self.blocks.block_size)
 
     def backend(self) -> Tuple[str, str]:
         """(backend, why): the requested one, or auto's choice. A requested "fa4" that cannot
@@ -455,18 +436,10 @@ def flash_attn_speculative_sparse(q: Tensor, k_spec: Tensor, v_spec: Tensor, k: 
                       validate=validate, table_name="k_spec")
     missed_call = _Call(q, k, v, missed, causal=False, softmax_scale=softmax_scale, num_splits=num_splits,
                         validate=validate)
-    if num_splits:
-        spec_splits = missed_splits = min(num_splits, MAX_SPLITS // 2)
-    else:  # the split count of one pass over both lists, shared in proportion to their lengths
-        tiles = (spec_call.list_tiles(), missed_call.list_tiles())
-        total = _auto_num_splits(spec_call.q, missed_call.query_tiles(), sum(tiles))
-        spec_splits, missed_splits = _share_splits(max(total, 2), tiles)
-    if spec_call.pack_gqa == missed_call.pack_gqa:
-        # One launch: both passes' splits in one grid, merged in the kernel.
-        return ops.sparse_fwd_two_sources(spec_call.q, spec_call.max_seqlen_q, spec_call.scale, spec_call.pack_gqa,
-                                          *spec_call.source_args(spec_splits), *missed_call.source_args(missed_splits))
-    # The passes tile the queries differently (per-query-head missed lists with GQA): two
-    # launches into one partial buffer, then the combine kernel.
+    spec_splits = spec_call.num_splits()
+    missed_splits = missed_call.num_splits()
+    if spec_splits + missed_splits > MAX_SPLITS:
+        spec_splits, missed_splits = min(spec_splits, MAX_SPLITS // 2), min(missed_splits, MAX_SPLITS // 2)
     out_partial, lse_partial = ops.partial_buffers(spec_splits + missed_splits, spec_call.batch, q.shape[2],
                                                    q.shape[1], q.shape[3], q.device)
     spec_call.run_partial(out_partial, lse_partial, 0, spec_splits)

@@ -4,20 +4,10 @@ torch.compile(fullgraph=True) traces calls to them.
 The kernels live in flash_attn_2_cuda (the patched FA-2 extension): `sparse_fwd` and `combine`.
 """
 
-import os
 from typing import Optional, Tuple
 
 import torch
 from torch import Tensor
-
-# Where the partials of a split-KV call are merged: "combine" (the split-KV combine kernel, launched
-# after the forward) or "kernel" (by the last split of each query tile, in the forward). Read once,
-# at import; benchmarks/profile_decode.py times both.
-MERGE_MODES = ("combine", "kernel")
-MERGE_ENV = "FLASH_ATTN_SPARSE_MERGE"
-MERGE = os.environ.get(MERGE_ENV, "combine")
-if MERGE not in MERGE_MODES:
-    raise ValueError(f"{MERGE_ENV} must be one of {MERGE_MODES}, got {MERGE!r}")
 
 
 def _cuda_module():
@@ -42,7 +32,7 @@ def sparse_fwd(q: Tensor, k: Tensor, v: Tensor, full_cnt: Tensor, full_idx: Tens
     out, lse = _cuda_module().sparse_fwd(
         q, k, v, None, full_cnt, full_idx, mask_cnt, mask_idx, cu_seqlens_q, cu_seqlens_k, seqused_k, page_table,
         cu_total_m_blocks, cu_block_idx_offsets, max_seqlen_q, max_seqlen_k, block_size, q_block_size,
-        softmax_scale, causal, num_splits, pack_gqa, None, None, 0, False, None, MERGE == "kernel")
+        softmax_scale, causal, num_splits, pack_gqa, None, None, 0)
     return out, lse
 
 
@@ -71,40 +61,12 @@ def sparse_fwd_partial(q: Tensor, k: Tensor, v: Tensor, full_cnt: Tensor, full_i
     _cuda_module().sparse_fwd(
         q, k, v, None, full_cnt, full_idx, mask_cnt, mask_idx, cu_seqlens_q, cu_seqlens_k, seqused_k, page_table,
         cu_total_m_blocks, cu_block_idx_offsets, max_seqlen_q, max_seqlen_k, block_size, q_block_size,
-        softmax_scale, causal, num_splits, pack_gqa, out_partial, lse_partial, partial_offset, False, None, False)
+        softmax_scale, causal, num_splits, pack_gqa, out_partial, lse_partial, partial_offset)
 
 
 @sparse_fwd_partial.register_fake
 def _(*args):
     return None
-
-
-@torch.library.custom_op("flash_attn_sparse::fwd_two_sources", mutates_args=(), device_types="cuda")
-def sparse_fwd_two_sources(q: Tensor, max_seqlen_q: int, softmax_scale: float, pack_gqa: bool,
-                           k1: Tensor, v1: Tensor, full_cnt1: Tensor, full_idx1: Tensor,
-                           mask_cnt1: Optional[Tensor], mask_idx1: Optional[Tensor], max_seqlen_k1: int,
-                           block_size1: int, q_block_size1: int, causal1: bool, num_splits1: int,
-                           k2: Tensor, v2: Tensor, full_cnt2: Tensor, full_idx2: Tensor,
-                           mask_cnt2: Optional[Tensor], mask_idx2: Optional[Tensor], max_seqlen_k2: int,
-                           block_size2: int, q_block_size2: int, causal2: bool, num_splits2: int) -> Tuple[Tensor, Tensor]:
-    """Attention of batched q over two sources (K/V and lists each) in one launch: the splits of
-    both write fp32 partials to one buffer, merged as MERGE says."""
-    module = _cuda_module()
-    out_partial, lse_partial = partial_buffers(num_splits1 + num_splits2, q.shape[0], q.shape[2], q.shape[1], q.shape[3], q.device)
-    first = module.sparse_fwd_prepare(
-        q, k1, v1, full_cnt1, full_idx1, mask_cnt1, mask_idx1, None, None, None, None, None, None,
-        max_seqlen_q, max_seqlen_k1, block_size1, q_block_size1, softmax_scale, causal1, num_splits1, pack_gqa,
-        out_partial, lse_partial, 0)
-    out, lse = module.sparse_fwd(
-        q, k2, v2, None, full_cnt2, full_idx2, mask_cnt2, mask_idx2, None, None, None, None, None, None,
-        max_seqlen_q, max_seqlen_k2, block_size2, q_block_size2, softmax_scale, causal2, num_splits2, pack_gqa,
-        out_partial, lse_partial, num_splits1, True, first, MERGE == "kernel")
-    return out, lse
-
-
-@sparse_fwd_two_sources.register_fake
-def _(q, *args):
-    return torch.empty_like(q), q.new_empty((q.shape[0], q.shape[2], q.shape[1]), dtype=torch.float32)
 
 
 @torch.library.custom_op("flash_attn_sparse::combine", mutates_args=(), device_types="cuda")

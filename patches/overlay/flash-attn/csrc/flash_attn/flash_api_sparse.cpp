@@ -6,7 +6,6 @@
  * checks what the kernels rely on for memory safety and fills Flash_fwd_params.
  ******************************************************************************/
 
-#include <cstring>
 #include <limits>
 
 #include <torch/python.h>
@@ -51,13 +50,13 @@ void check_int32_table(const at::Tensor &t, const char *name, const at::Tensor &
     TORCH_CHECK(t.stride(-1) == 1, name, " must have a contiguous last dimension");
 }
 
-void run_sparse(Flash_fwd_params &params, cudaStream_t stream, bool wide, bool split, const Flash_fwd_params *second) {
+void run_sparse(Flash_fwd_params &params, cudaStream_t stream, bool wide, bool split) {
     FP16_SWITCH(!params.is_bf16, [&] {
         HEADDIM_SWITCH(params.d, [&] {
             if (wide) {
                 run_mha_fwd_sparse_<elem_type, kHeadDim>(params, stream);
             } else {
-                run_mha_fwd_sparse_narrow_<elem_type, kHeadDim>(params, stream, split, second);
+                run_mha_fwd_sparse_narrow_<elem_type, kHeadDim>(params, stream, split);
             }
         });
     });
@@ -71,17 +70,9 @@ void run_combine(Flash_fwd_params &params, cudaStream_t stream) {
     });
 }
 
-// One validated sparse forward: its parameters and outputs, ready to launch.
-struct SparseLaunch {
-    Flash_fwd_params params;
-    at::Tensor out, softmax_lse, out_accum, lse_accum, arrivals;
-    bool partial = false;  // fp32 partials into the caller's buffers
-    bool split = false;    // the split kernel (partials, merged in the kernel unless partial and not merge)
-    bool wide = false;     // 128-row tiles
-    bool merge = false;    // the partials are merged into out and softmax_lse (in the kernel or by the combine kernel)
-};
+}  // namespace
 
-SparseLaunch prepare_sparse(
+std::vector<at::Tensor> mha_fwd_sparse(
     const at::Tensor &q, const at::Tensor &k, const at::Tensor &v,
     std::optional<at::Tensor> out_,
     const at::Tensor &full_cnt, const at::Tensor &full_idx,
@@ -92,9 +83,9 @@ SparseLaunch prepare_sparse(
     int max_seqlen_q, int max_seqlen_k,
     int block_size, int q_block_size,
     double softmax_scale, bool is_causal, int num_splits, bool pack_gqa,
-    std::optional<at::Tensor> out_partial_, std::optional<at::Tensor> lse_partial_, int partial_offset,
-    bool merge_partials, bool merge_in_kernel) {
+    std::optional<at::Tensor> out_partial_, std::optional<at::Tensor> lse_partial_, int partial_offset) {
 
+    at::cuda::CUDAGuard device_guard{q.device()};
     auto [cc_major, cc_minor] = get_compute_capability(get_current_device());
     TORCH_CHECK(cc_major >= 8, "FlashAttention only supports Ampere GPUs or newer.");
 
@@ -243,135 +234,40 @@ SparseLaunch prepare_sparse(
 
     TORCH_CHECK(num_splits >= 1 && num_splits <= 128, "num_splits must be in [1, 128]");
     params.num_splits = num_splits;
-    SparseLaunch call;
-    call.partial = out_partial_.has_value();
-    TORCH_CHECK(call.partial == lse_partial_.has_value(), "out_partial and lse_partial go together");
-    TORCH_CHECK(call.partial || !merge_partials, "merge_partials needs out_partial and lse_partial");
-    if (call.partial) {
-        call.out_accum = *out_partial_;
-        call.lse_accum = *lse_partial_;
-        const int num_slots = call.out_accum.size(0);
-        TORCH_CHECK(call.out_accum.dtype() == at::kFloat && call.lse_accum.dtype() == at::kFloat, "partials must be float32");
-        TORCH_CHECK(call.out_accum.device() == q.device() && call.lse_accum.device() == q.device(), "partials must be on the device of q");
-        CHECK_CONTIGUOUS(call.out_accum); CHECK_CONTIGUOUS(call.lse_accum);
-        CHECK_SHAPE(call.out_accum, num_slots, batch_size, num_heads, seqlen_q, d_rounded);
-        CHECK_SHAPE(call.lse_accum, num_slots, batch_size, num_heads, seqlen_q);
-        TORCH_CHECK(num_slots <= 128, "at most 128 partial slots");
+    const bool partial = out_partial_.has_value();
+    TORCH_CHECK(partial == lse_partial_.has_value(), "out_partial and lse_partial go together");
+    at::Tensor out_accum, lse_accum;
+    if (partial) {
+        out_accum = *out_partial_;
+        lse_accum = *lse_partial_;
+        const int num_slots = out_accum.size(0);
+        TORCH_CHECK(out_accum.dtype() == at::kFloat && lse_accum.dtype() == at::kFloat, "partials must be float32");
+        TORCH_CHECK(out_accum.device() == q.device() && lse_accum.device() == q.device(), "partials must be on the device of q");
+        CHECK_CONTIGUOUS(out_accum); CHECK_CONTIGUOUS(lse_accum);
+        CHECK_SHAPE(out_accum, num_slots, batch_size, num_heads, seqlen_q, d_rounded);
+        CHECK_SHAPE(lse_accum, num_slots, batch_size, num_heads, seqlen_q);
         TORCH_CHECK(partial_offset >= 0 && partial_offset + num_splits <= num_slots, "partial slots [offset, offset + num_splits) must fit in out_partial");
         params.sparse_split_offset = partial_offset;
         params.sparse_num_slots = num_slots;
     } else if (num_splits > 1) {
-        call.out_accum = torch::empty({num_splits, batch_size, num_heads, seqlen_q, d_rounded}, opts.dtype(at::kFloat));
-        call.lse_accum = torch::empty({num_splits, batch_size, num_heads, seqlen_q}, opts.dtype(at::kFloat));
+        out_accum = torch::empty({num_splits, batch_size, num_heads, seqlen_q, d_rounded}, opts.dtype(at::kFloat));
+        lse_accum = torch::empty({num_splits, batch_size, num_heads, seqlen_q}, opts.dtype(at::kFloat));
         params.sparse_num_slots = num_splits;
     }
-    call.split = call.out_accum.defined();
-    if (call.split) {
-        params.oaccum_ptr = call.out_accum.data_ptr();
-        params.softmax_lseaccum_ptr = call.lse_accum.data_ptr();
+    if (out_accum.defined()) {
+        params.oaccum_ptr = out_accum.data_ptr();
+        params.softmax_lseaccum_ptr = lse_accum.data_ptr();
     }
-    call.merge = call.split && (!call.partial || merge_partials);
-    if (call.merge && merge_in_kernel) {
-        // One arrival counter per query tile of the split kernel's grid (64-row tiles).
-        const int tiles = batch_size * (num_heads / group) * ((seqlen_q * group + kSparseNarrowBlockM - 1) / kSparseNarrowBlockM);
-        call.arrivals = torch::zeros({std::max(tiles, 1)}, opts.dtype(at::kInt));
-        params.sparse_tile_arrivals = call.arrivals.data_ptr<int>();
-        params.sparse_split_arrivals = num_splits;
-    }
-    // 128-row tiles suit long queries; 64-row tiles waste less on short ones, and split.
-    call.wide = !call.split && !pack_gqa && seqlen_q > kSparseNarrowBlockM && q_block_size % kSparseWideBlockM == 0;
-    call.out = out;
-    call.softmax_lse = softmax_lse;
-    call.params = params;
-    return call;
-}
 
-}  // namespace
-
-std::vector<at::Tensor> mha_fwd_sparse(
-    const at::Tensor &q, const at::Tensor &k, const at::Tensor &v,
-    std::optional<at::Tensor> out_,
-    const at::Tensor &full_cnt, const at::Tensor &full_idx,
-    std::optional<at::Tensor> mask_cnt_, std::optional<at::Tensor> mask_idx_,
-    std::optional<at::Tensor> cu_seqlens_q_, std::optional<at::Tensor> cu_seqlens_k_,
-    std::optional<at::Tensor> seqused_k_, std::optional<at::Tensor> page_table_,
-    std::optional<at::Tensor> cu_total_m_blocks_, std::optional<at::Tensor> cu_block_idx_offsets_,
-    int max_seqlen_q, int max_seqlen_k,
-    int block_size, int q_block_size,
-    double softmax_scale, bool is_causal, int num_splits, bool pack_gqa,
-    std::optional<at::Tensor> out_partial_, std::optional<at::Tensor> lse_partial_, int partial_offset,
-    bool merge_partials, std::optional<at::Tensor> first_source_, bool merge_in_kernel) {
-    at::cuda::CUDAGuard device_guard{q.device()};
-    SparseLaunch call = prepare_sparse(q, k, v, out_, full_cnt, full_idx, mask_cnt_, mask_idx_, cu_seqlens_q_, cu_seqlens_k_,
-                                       seqused_k_, page_table_, cu_total_m_blocks_, cu_block_idx_offsets_, max_seqlen_q,
-                                       max_seqlen_k, block_size, q_block_size, softmax_scale, is_causal, num_splits, pack_gqa,
-                                       out_partial_, lse_partial_, partial_offset, merge_partials, merge_in_kernel);
-    Flash_fwd_params &params = call.params;
-    Flash_fwd_params first;
-    const bool two_sources = first_source_.has_value();
-    if (two_sources) {
-        // The first source was prepared by sparse_fwd_prepare: same queries and partial buffer.
-        const at::Tensor &blob = *first_source_;
-        TORCH_CHECK(blob.device().is_cpu() && blob.dtype() == torch::kUInt8 && blob.numel() == int64_t(sizeof(Flash_fwd_params)),
-                    "first_source must come from sparse_fwd_prepare");
-        std::memcpy(&first, blob.data_ptr(), sizeof(Flash_fwd_params));
-        TORCH_CHECK(merge_partials, "a first source is launched with the second, which merges both");
-        TORCH_CHECK(first.q_ptr == params.q_ptr && first.b == params.b && first.h == params.h && first.seqlen_q == params.seqlen_q
-                    && first.d == params.d && first.is_bf16 == params.is_bf16 && first.sparse_pack_gqa == params.sparse_pack_gqa
-                    && first.cu_seqlens_q == params.cu_seqlens_q,
-                    "first_source: the two sources must share q and its tiling (pack_gqa)");
-        TORCH_CHECK((first.block_table == nullptr) == (params.block_table == nullptr), "first_source: both sources paged or neither");
-        TORCH_CHECK(first.oaccum_ptr == params.oaccum_ptr && first.sparse_num_slots == params.sparse_num_slots,
-                    "first_source: both sources must write the same partial buffers");
-        TORCH_CHECK(first.num_splits + params.num_splits <= 128, "at most 128 splits over both sources");
-        // Either source's last CTA may merge a tile: both carry the merge's outputs and counters.
-        first.o_ptr = params.o_ptr;
-        first.o_row_stride = params.o_row_stride;
-        first.o_head_stride = params.o_head_stride;
-        first.o_batch_stride = params.o_batch_stride;
-        first.softmax_lse_ptr = params.softmax_lse_ptr;
-        first.unpadded_lse = params.unpadded_lse;
-        params.sparse_split_arrivals += first.num_splits;
-        first.sparse_tile_arrivals = params.sparse_tile_arrivals;
-        first.sparse_split_arrivals = params.sparse_split_arrivals;
-    }
-    if (q.numel() == 0) { return call.partial && !merge_partials ? std::vector<at::Tensor>{call.out_accum, call.lse_accum} : std::vector<at::Tensor>{call.out, call.softmax_lse}; }
+    if (q.numel() == 0) { return partial ? std::vector<at::Tensor>{out_accum, lse_accum} : std::vector<at::Tensor>{out, softmax_lse}; }
     auto stream = at::cuda::getCurrentCUDAStream().stream();
-    // The first source's splits take blockIdx.y first (see flash_fwd_sparse_split_kernel).
-    if (two_sources) {
-        run_sparse(first, stream, /*wide=*/false, /*split=*/true, &params);
-    } else {
-        run_sparse(params, stream, call.wide, call.split, nullptr);
-    }
-    if (call.merge && !merge_in_kernel) {
-        Flash_fwd_params combine = params;
-        combine.num_splits = params.sparse_num_slots;
-        run_combine(combine, stream);
-    }
-    if (call.partial && !merge_partials) { return {call.out_accum, call.lse_accum}; }
-    return {call.out, call.softmax_lse};
-}
-
-at::Tensor mha_fwd_sparse_prepare(
-    const at::Tensor &q, const at::Tensor &k, const at::Tensor &v,
-    const at::Tensor &full_cnt, const at::Tensor &full_idx,
-    std::optional<at::Tensor> mask_cnt_, std::optional<at::Tensor> mask_idx_,
-    std::optional<at::Tensor> cu_seqlens_q_, std::optional<at::Tensor> cu_seqlens_k_,
-    std::optional<at::Tensor> seqused_k_, std::optional<at::Tensor> page_table_,
-    std::optional<at::Tensor> cu_total_m_blocks_, std::optional<at::Tensor> cu_block_idx_offsets_,
-    int max_seqlen_q, int max_seqlen_k,
-    int block_size, int q_block_size,
-    double softmax_scale, bool is_causal, int num_splits, bool pack_gqa,
-    const at::Tensor &out_partial, const at::Tensor &lse_partial, int partial_offset) {
-    at::cuda::CUDAGuard device_guard{q.device()};
-    SparseLaunch call = prepare_sparse(q, k, v, std::nullopt, full_cnt, full_idx, mask_cnt_, mask_idx_, cu_seqlens_q_, cu_seqlens_k_,
-                                       seqused_k_, page_table_, cu_total_m_blocks_, cu_block_idx_offsets_, max_seqlen_q,
-                                       max_seqlen_k, block_size, q_block_size, softmax_scale, is_causal, num_splits, pack_gqa,
-                                       out_partial, lse_partial, partial_offset, /*merge_partials=*/false,
-                                       /*merge_in_kernel=*/false);
-    at::Tensor blob = torch::empty({int64_t(sizeof(Flash_fwd_params))}, at::TensorOptions().dtype(torch::kUInt8));
-    std::memcpy(blob.data_ptr(), &call.params, sizeof(Flash_fwd_params));
-    return blob;
+    const bool split = out_accum.defined();
+    // 128-row tiles suit long queries; 64-row tiles waste less on short ones, and split.
+    const bool wide = !split && !pack_gqa && seqlen_q > kSparseNarrowBlockM && q_block_size % kSparseWideBlockM == 0;
+    run_sparse(params, stream, wide, split);
+    if (partial) { return {out_accum, lse_accum}; }
+    if (split) { run_combine(params, stream); }
+    return {out, softmax_lse};
 }
 
 void mha_combine(const at::Tensor &out_partial, const at::Tensor &lse_partial,

@@ -17,10 +17,7 @@ namespace FLASH_NAMESPACE {
 // Attention of q over the K/V blocks named by the lists, batched (q: b x seqlen_q x h x d) or
 // varlen (q: total_q x h x d with cu_seqlens_q). Returns {out, softmax_lse}, or, when out_partial
 // is given, writes fp32 partials to its slots [partial_offset, partial_offset + num_splits) and
-// returns {out_partial, lse_partial}; with merge_partials also, it then merges all slots of
-// out_partial (each written by this or an earlier call) into {out, softmax_lse}, which it returns.
-// Splits (num_splits > 1) are merged by the last split of each query tile if merge_in_kernel, else
-// by the combine kernel after the forward. pack_gqa puts the query heads of a K/V head in one tile
+// returns {out_partial, lse_partial}. pack_gqa puts the query heads of a K/V head in one tile
 // (the lists must then be shared or per K/V head). With page_table (b x max_pages int32, batched
 // only), k and v are paged caches (num_pages x page_size x h_k x d): key position p of batch b is
 // row p % page_size of page page_table[b][p / page_size].
@@ -35,23 +32,7 @@ std::vector<at::Tensor> mha_fwd_sparse(
     int max_seqlen_q, int max_seqlen_k,
     int block_size, int q_block_size,
     double softmax_scale, bool is_causal, int num_splits, bool pack_gqa,
-    std::optional<at::Tensor> out_partial_, std::optional<at::Tensor> lse_partial_, int partial_offset,
-    bool merge_partials, std::optional<at::Tensor> first_source_, bool merge_in_kernel);
-
-// Validates a sparse forward into partial slots like mha_fwd_sparse and returns its parameters
-// (a CPU byte tensor) without launching, for a later mha_fwd_sparse call to launch with its own
-// as first_source: both sources' splits in one grid, merged in the kernel.
-at::Tensor mha_fwd_sparse_prepare(
-    const at::Tensor &q, const at::Tensor &k, const at::Tensor &v,
-    const at::Tensor &full_cnt, const at::Tensor &full_idx,
-    std::optional<at::Tensor> mask_cnt_, std::optional<at::Tensor> mask_idx_,
-    std::optional<at::Tensor> cu_seqlens_q_, std::optional<at::Tensor> cu_seqlens_k_,
-    std::optional<at::Tensor> seqused_k_, std::optional<at::Tensor> page_table_,
-    std::optional<at::Tensor> cu_total_m_blocks_, std::optional<at::Tensor> cu_block_idx_offsets_,
-    int max_seqlen_q, int max_seqlen_k,
-    int block_size, int q_block_size,
-    double softmax_scale, bool is_causal, int num_splits, bool pack_gqa,
-    const at::Tensor &out_partial, const at::Tensor &lse_partial, int partial_offset);
+    std::optional<at::Tensor> out_partial_, std::optional<at::Tensor> lse_partial_, int partial_offset);
 
 // Merges partials (S x b x h x seqlen_q x d_rounded fp32, S x b x h x seqlen_q fp32) into out and
 // softmax_lse, laid out as mha_fwd_sparse returns them, with the split-KV combine kernel.

@@ -336,122 +336,13 @@ __forceinline__ __device__ void write_empty_sparse_tile(const Output &output) {
     }
 }
 
-// Split-KV with the merge in the kernel (params.sparse_tile_arrivals set), instead of a combine
-// kernel: each split of a query tile counts itself in once its partial is written, and the last
-// one to arrive merges the tile's rows over slots [0, sparse_num_slots) into O and LSE, as the
-// combine kernel does, while the partials are still in L2. The merge is on the kernel's critical
-// path, so its loads go out together: all LSEs at once, then 4 columns x 4 slots per thread.
-template<typename Kernel_traits, typename Params>
-__forceinline__ __device__ void merge_split_tile(const Params &params, const SparseTileRows &rows,
-                                                 const BlockInfo</*Varlen=*/true> &binfo, const int bidb, const int query_tile) {
-    using Element = typename Kernel_traits::Element;
-    using index_t = typename Kernel_traits::index_t;
-    constexpr int kBlockM = Kernel_traits::kBlockM;
-    constexpr int kNThreads = Kernel_traits::kNThreads;
-    constexpr int kMaxSlots = 128;  // the host's bound
-    constexpr int kChunks = 4, kSlots = 4;  // loads in flight per thread: kChunks x kSlots float4
-    static_assert(Kernel_traits::kSmemSize >= kMaxSlots * kBlockM * sizeof(float));
-    __shared__ int is_last;
-    // Publish this CTA's partial before counting it in (the CUDA threadfence-reduction pattern).
-    __threadfence();
-    __syncthreads();
-    if (threadIdx.x == 0) {
-        is_last = atomicAdd(params.sparse_tile_arrivals + query_tile, 1) == params.sparse_split_arrivals - 1;
-    }
-    __syncthreads();
-    if (!is_last) { return; }
-    __threadfence();
-
-    // scale[slot * kBlockM + r]: first LSE of (slot, row r), then exp(LSE - merged LSE). The main
-    // loop's shared memory is free by now.
-    extern __shared__ char smem_[];
-    float *scale = reinterpret_cast<float *>(smem_);
-    const SparseOutput<Kernel_traits, /*Split=*/false, Params> output(params, rows, binfo, bidb, /*slot=*/0);
-    const float *lse_partial = reinterpret_cast<const float *>(params.softmax_lseaccum_ptr);
-    const float *o_partial = reinterpret_cast<const float *>(params.oaccum_ptr);
-    const index_t slot_rows = index_t(params.b) * params.h * params.seqlen_q;
-    const int num_slots = params.sparse_num_slots;
-    const int num_rows = min(kBlockM, rows.num_rows - rows.first_row);
-    auto partial_row = [&](const int r) { return (index_t(bidb) * params.h + rows.head(r)) * params.seqlen_q + rows.position(r); };
-
-    #pragma unroll 8
-    for (int i = threadIdx.x; i < num_slots * kBlockM; i += kNThreads) {
-        const int slot = i / kBlockM, r = i % kBlockM;
-        scale[i] = r < num_rows ? __ldcg(lse_partial + slot * slot_rows + partial_row(r)) : -INFINITY;
-    }
-    __syncthreads();
-    if (threadIdx.x < num_rows) {
-        const int r = threadIdx.x;
-        float lse_max = -INFINITY;
-        for (int slot = 0; slot < num_slots; ++slot) { lse_max = max(lse_max, scale[slot * kBlockM + r]); }
-        const float lse_max_finite = lse_max == -INFINITY ? 0.f : lse_max;
-        float lse_sum = 0.f;
-        for (int slot = 0; slot < num_slots; ++slot) { lse_sum += expf(scale[slot * kBlockM + r] - lse_max_finite); }
-        // A row that no partial saw keeps LSE = -inf and O = 0 (the sparse contract).
-        const bool empty = lse_sum == 0.f || lse_sum != lse_sum;
-        const float lse = empty ? -INFINITY : logf(lse_sum) + lse_max_finite;
-        for (int slot = 0; slot < num_slots; ++slot) {
-            scale[slot * kBlockM + r] = empty ? 0.f : expf(scale[slot * kBlockM + r] - lse);
-        }
-        output.write_lse(r, lse);
-    }
-    __syncthreads();
-
-    // (row, 4-column chunk) pairs, kChunks per thread at a time; loads of empty slots are skipped.
-    const int chunks_per_row = params.d / 4;  // d is a multiple of 8
-    const int num_chunks = num_rows * chunks_per_row;
-    for (int first = threadIdx.x; first < num_chunks; first += kChunks * kNThreads) {
-        int row[kChunks], col[kChunks];
-        float acc[kChunks][4];
-        #pragma unroll
-        for (int a = 0; a < kChunks; ++a) {
-            const int chunk = first + a * kNThreads;
-            row[a] = chunk < num_chunks ? chunk / chunks_per_row : -1;
-            col[a] = chunk < num_chunks ? (chunk - row[a] * chunks_per_row) * 4 : 0;
-            #pragma unroll
-            for (int e = 0; e < 4; ++e) { acc[a][e] = 0.f; }
-        }
-        for (int slot0 = 0; slot0 < num_slots; slot0 += kSlots) {
-            float4 o[kChunks][kSlots];
-            float w[kChunks][kSlots];
-            #pragma unroll
-            for (int a = 0; a < kChunks; ++a) {
-                #pragma unroll
-                for (int b = 0; b < kSlots; ++b) {
-                    const int slot = slot0 + b;
-                    w[a][b] = row[a] >= 0 && slot < num_slots ? scale[slot * kBlockM + row[a]] : 0.f;
-                    o[a][b] = w[a][b] != 0.f
-                        ? __ldcg(reinterpret_cast<const float4 *>(o_partial + (slot * slot_rows + partial_row(row[a])) * params.d_rounded + col[a]))
-                        : make_float4(0.f, 0.f, 0.f, 0.f);
-                }
-            }
-            #pragma unroll
-            for (int a = 0; a < kChunks; ++a) {
-                #pragma unroll
-                for (int b = 0; b < kSlots; ++b) {
-                    acc[a][0] += w[a][b] * o[a][b].x; acc[a][1] += w[a][b] * o[a][b].y;
-                    acc[a][2] += w[a][b] * o[a][b].z; acc[a][3] += w[a][b] * o[a][b].w;
-                }
-            }
-        }
-        #pragma unroll
-        for (int a = 0; a < kChunks; ++a) {
-            if (row[a] < 0) { continue; }
-            cutlass::AlignedArray<Element, 4> out;
-            #pragma unroll
-            for (int e = 0; e < 4; ++e) { out[e] = Element(acc[a][e]); }
-            *reinterpret_cast<cutlass::AlignedArray<Element, 4> *>(output.o_ptr() + output.o_offset(row[a]) + col[a]) = out;
-        }
-    }
-}
-
 ////////////////////////////////////////////////////////////////////////////////////////////////////
 
 // Paged: K/V are paged caches (params.block_table); a template flag so that the contiguous
 // kernels keep their registers.
 template<typename Kernel_traits, bool Is_even_K, bool Split, bool Paged, typename Params>
 inline __device__ void compute_attn_1rowblock_sparse(const Params &params, const int bidb, const int bidh, const int m_block,
-                                                     const int n_split_idx, const int num_n_splits, const int query_tile) {
+                                                     const int n_split_idx, const int num_n_splits) {
     using Element = typename Kernel_traits::Element;
     using ElementAccum = typename Kernel_traits::ElementAccum;
     using index_t = typename Kernel_traits::index_t;
@@ -485,9 +376,6 @@ inline __device__ void compute_attn_1rowblock_sparse(const Params &params, const
     const int tile_max = std::min(n_tiles, tile_min + tiles_per_split);
     if (tile_min >= tile_max) {
         write_empty_sparse_tile<Kernel_traits, Is_even_K, Split>(output);
-        if constexpr (Split) {
-            if (params.sparse_tile_arrivals != nullptr) { merge_split_tile<Kernel_traits>(params, rows, binfo, bidb, query_tile); }
-        }
         return;
     }
 
@@ -680,9 +568,6 @@ inline __device__ void compute_attn_1rowblock_sparse(const Params &params, const
         for (int k = 0; k < size(tOpO); ++k) { tOpO(k) = get<1>(tOcO(0, 0, k)) < params.d; }
     }
     store_rows<Is_even_K>(gmem_tiled_copy_Oaccum, tOrOaccum, tOgO0, tOpO, [&](int m) { return output.o_offset(get<0>(tOcO(0, m, 0))); });
-    if constexpr (Split) {
-        if (params.sparse_tile_arrivals != nullptr) { merge_split_tile<Kernel_traits>(params, rows, binfo, bidb, query_tile); }
-    }
 }
 
 } // namespace FLASH_NAMESPACE

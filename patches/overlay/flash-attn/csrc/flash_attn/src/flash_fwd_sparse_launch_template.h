@@ -15,66 +15,39 @@
 
 namespace FLASH_NAMESPACE {
 
-template<typename Kernel_traits, bool Is_even_K, bool Paged>
+template<typename Kernel_traits, bool Is_even_K, bool Split, bool Paged>
 __global__ void flash_fwd_sparse_kernel(KERNEL_PARAM_MODIFIER const Flash_fwd_params params) {
     #if defined(ARCH_SUPPORTS_FLASH)
-        // blockIdx.z is the tile's head: with GQA packing, a K/V head (see the kernel).
-        FLASH_NAMESPACE::compute_attn_1rowblock_sparse<Kernel_traits, Is_even_K, /*Split=*/false, Paged>(
-            params, blockIdx.y, blockIdx.z, blockIdx.x, 0, 1, /*query_tile=*/0);
-    #else
-        FLASH_UNSUPPORTED_ARCH
-    #endif
-}
-
-// Split-KV: blockIdx.y < first.num_splits are the splits of `first`; the rest, if any, those of
-// `second`, another source (K/V, lists, causality) for the same queries, whose partials go to
-// other slots of the same buffer and merge with first's (the speculative two-pass call in one
-// launch).
-template<typename Kernel_traits, bool Is_even_K, bool Paged>
-__global__ void flash_fwd_sparse_split_kernel(KERNEL_PARAM_MODIFIER const Flash_fwd_params first,
-                                              KERNEL_PARAM_MODIFIER const Flash_fwd_params second) {
-    #if defined(ARCH_SUPPORTS_FLASH)
-        const bool is_second = int(blockIdx.y) >= first.num_splits;
-        const Flash_fwd_params &params = is_second ? second : first;
+        // With GQA packing a CTA serves the query heads of one K/V head (see the kernel).
         const int tile_heads = params.h / params.sparse_pack_gqa;
-        const int bidb = blockIdx.z / tile_heads;
-        const int bidh = blockIdx.z - bidb * tile_heads;
-        const int query_tile = blockIdx.z * gridDim.x + blockIdx.x;
-        const int n_split_idx = is_second ? blockIdx.y - first.num_splits : blockIdx.y;
-        FLASH_NAMESPACE::compute_attn_1rowblock_sparse<Kernel_traits, Is_even_K, /*Split=*/true, Paged>(
-            params, bidb, bidh, blockIdx.x, n_split_idx, params.num_splits, query_tile);
+        const int m_block = blockIdx.x;
+        const int bidb = Split ? blockIdx.z / tile_heads : blockIdx.y;
+        const int bidh = Split ? blockIdx.z - bidb * tile_heads : blockIdx.z;
+        const int n_split_idx = Split ? blockIdx.y : 0;
+        const int num_n_splits = Split ? gridDim.y : 1;
+        FLASH_NAMESPACE::compute_attn_1rowblock_sparse<Kernel_traits, Is_even_K, Split, Paged>(params, bidb, bidh, m_block, n_split_idx, num_n_splits);
     #else
         FLASH_UNSUPPORTED_ARCH
     #endif
 }
 
 // Split=false writes O and LSE; Split=true writes fp32 partials to slots
-// [sparse_split_offset, sparse_split_offset + num_splits) of oaccum / lseaccum, and, with
-// sparse_tile_arrivals, merges them into O and LSE. `second` (Split only, may be null) is a
-// second source launched with the first (see flash_fwd_sparse_split_kernel).
+// [sparse_split_offset, sparse_split_offset + num_splits) of oaccum / lseaccum.
 template<typename Kernel_traits, bool Split>
-void run_flash_sparse_fwd(Flash_fwd_params &params, cudaStream_t stream, const Flash_fwd_params *second = nullptr) {
+void run_flash_sparse_fwd(Flash_fwd_params &params, cudaStream_t stream) {
     constexpr size_t smem_size = Kernel_traits::kSmemSize;
     const int tile_heads = params.h / params.sparse_pack_gqa;
     const int num_m_block = (params.seqlen_q * params.sparse_pack_gqa + Kernel_traits::kBlockM - 1) / Kernel_traits::kBlockM;
-    const int num_splits = Split ? params.num_splits + (second != nullptr ? second->num_splits : 0) : 1;
+    const int num_splits = Split ? params.num_splits : 1;
     dim3 grid(num_m_block, Split ? num_splits : params.b, Split ? params.b * tile_heads : tile_heads);
     const bool is_even_K = params.d == Kernel_traits::kHeadDim;
     EVENK_SWITCH(is_even_K, IsEvenKConst, [&] {
         BOOL_SWITCH(params.block_table != nullptr, PagedConst, [&] {
-            if constexpr (Split) {
-                auto kernel = &flash_fwd_sparse_split_kernel<Kernel_traits, IsEvenKConst, PagedConst>;
-                if (smem_size >= 48 * 1024) {
-                    C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem_size));
-                }
-                kernel<<<grid, Kernel_traits::kNThreads, smem_size, stream>>>(params, second != nullptr ? *second : params);
-            } else {
-                auto kernel = &flash_fwd_sparse_kernel<Kernel_traits, IsEvenKConst, PagedConst>;
-                if (smem_size >= 48 * 1024) {
-                    C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem_size));
-                }
-                kernel<<<grid, Kernel_traits::kNThreads, smem_size, stream>>>(params);
+            auto kernel = &flash_fwd_sparse_kernel<Kernel_traits, IsEvenKConst, Split, PagedConst>;
+            if (smem_size >= 48 * 1024) {
+                C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem_size));
             }
+            kernel<<<grid, Kernel_traits::kNThreads, smem_size, stream>>>(params);
             C10_CUDA_KERNEL_LAUNCH_CHECK();
         });
     });
@@ -89,10 +62,10 @@ void run_mha_fwd_sparse_(Flash_fwd_params &params, cudaStream_t stream) {
 // Query tiles of 64 rows: the tile shape of the dense split-KV kernel. Used for splits and
 // partials, and for short queries or 64-row table tiles.
 template<typename T, int Headdim>
-void run_mha_fwd_sparse_narrow_(Flash_fwd_params &params, cudaStream_t stream, bool split, const Flash_fwd_params *second) {
+void run_mha_fwd_sparse_narrow_(Flash_fwd_params &params, cudaStream_t stream, bool split) {
     using Traits = Flash_fwd_kernel_traits<Headdim, kSparseNarrowBlockM, Headdim <= 64 ? 256 : (Headdim <= 128 ? 128 : 64), 4, false, false, T>;
     if (split) {
-        run_flash_sparse_fwd<Traits, /*Split=*/true>(params, stream, second);
+        run_flash_sparse_fwd<Traits, /*Split=*/true>(params, stream);
     } else {
         run_flash_sparse_fwd<Traits, /*Split=*/false>(params, stream);
     }

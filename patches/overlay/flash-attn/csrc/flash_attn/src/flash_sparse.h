@@ -16,8 +16,7 @@ constexpr int kSparseWideBlockM = 128;
 constexpr int kSparseNarrowBlockM = 64;
 
 template<typename T, int Headdim> void run_mha_fwd_sparse_(Flash_fwd_params &params, cudaStream_t stream);
-template<typename T, int Headdim> void run_mha_fwd_sparse_narrow_(Flash_fwd_params &params, cudaStream_t stream, bool split,
-                                                              const Flash_fwd_params *second);
+template<typename T, int Headdim> void run_mha_fwd_sparse_narrow_(Flash_fwd_params &params, cudaStream_t stream, bool split);
 template<typename T, int Headdim> void run_mha_combine_(Flash_fwd_params &params, cudaStream_t stream);
 
 }  // namespace FLASH_NAMESPACE
