@@ -128,13 +128,29 @@ def timed(fn):
         return do_bench(fn, warmup=25, rep=100, return_mode="median"), f"no graph: {type(error).__name__}"
 
 
+def random_inputs(shape, seed=0):
+    """bf16 q, k, v of the shape, from a seeded generator."""
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    q = torch.randn(shape.batch, shape.seqlen_q, shape.heads, shape.head_dim, device="cuda", generator=g).bfloat16()
+    k = torch.randn(shape.batch, shape.seqlen_k, shape.heads_k, shape.head_dim, device="cuda", generator=g).bfloat16()
+    return q, k, torch.randn_like(k)
+
+
+def speculative_inputs(shape, k, v, listed):
+    """A speculative set (the last 4 blocks) and the missed set (the other listed blocks), as
+    tables, the gathered speculative K/V, and the union table."""
+    n_blocks = shape.seqlen_k // BLOCK
+    spec_blocks = list(range(n_blocks - 4, n_blocks))
+    missed = torch.tensor(sorted(set(listed) - set(spec_blocks)), dtype=torch.int32, device="cuda")
+    spec_table = torch.tensor(spec_blocks, dtype=torch.int32, device="cuda")
+    k_spec, v_spec = k[:, spec_blocks[0] * BLOCK:].contiguous(), v[:, spec_blocks[0] * BLOCK:].contiguous()
+    return missed, spec_table, k_spec, v_spec, torch.cat([missed, spec_table])
+
+
 def bench_shape(shape, roofline, rows, methods):
     copy_tbps, matmul_tflops = roofline
     rng = random.Random(0)
-    g = torch.Generator(device="cuda").manual_seed(0)
-    q = torch.randn(shape.batch, shape.seqlen_q, shape.heads, shape.head_dim, device="cuda", generator=g).bfloat16()
-    k = torch.randn(shape.batch, shape.seqlen_k, shape.heads_k, shape.head_dim, device="cuda", generator=g).bfloat16()
-    v = torch.randn_like(k)
+    q, k, v = random_inputs(shape)
     list_sets = [make_lists(shape, rng) for _ in range(ROTATIONS)]
     flops, nbytes = counted_work(shape, list_sets[0])
     roof_ms = max(flops / (matmul_tflops * 1e12), nbytes / (copy_tbps * 1e12)) * 1e3
@@ -186,13 +202,7 @@ def bench_shape(shape, roofline, rows, methods):
     if "speculative" in methods and shape.density < 1:
         # The same union of blocks as a speculative set (the last 4 blocks, "mask" blocks) plus
         # the missed set, one pass (zero-copy form) and two passes + combine (gathered form).
-        n_blocks = shape.seqlen_k // BLOCK
-        spec_blocks = list(range(n_blocks - 4, n_blocks))
-        missed = torch.tensor(sorted(set(list_sets[0][0][0]) - set(spec_blocks)), dtype=torch.int32, device="cuda")
-        spec_table = torch.tensor(spec_blocks, dtype=torch.int32, device="cuda")
-        spec_pos = torch.arange(spec_blocks[0] * BLOCK, shape.seqlen_k, device="cuda")
-        k_spec, v_spec = k[:, spec_pos].contiguous(), v[:, spec_pos].contiguous()
-        union = torch.cat([missed, spec_table])
+        missed, spec_table, k_spec, v_spec, union = speculative_inputs(shape, k, v, list_sets[0][0][0])
         add("union_one_pass", lambda: fas.flash_attn_with_sparse_block_table(q, k, v, union), "shared list")
         add("speculative_two_pass", lambda: fas.flash_attn_speculative_sparse(q, k_spec, v_spec, k, v, missed), "shared list")
         add("speculative_zero_copy", lambda: fas.flash_attn_speculative_sparse_zero_copy(q, k, v, spec_table, missed), "shared list")

@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_sparse import BLOCK, DECODE, make_lists, to_blocks  # noqa: E402
+from bench_sparse import BLOCK, DECODE, make_lists, random_inputs, speculative_inputs, to_blocks  # noqa: E402
 from triton.testing import do_bench_cudagraph  # noqa: E402
 
 import flash_attn_sparse as fas  # noqa: E402
@@ -54,24 +54,12 @@ def kernel_breakdown(fn, calls: int = 20):
     return {name: (len(t) / calls, sum(t) / len(t)) for name, t in times.items()}
 
 
-def inputs(shape, seed=0):
-    g = torch.Generator(device="cuda").manual_seed(seed)
-    q = torch.randn(shape.batch, shape.seqlen_q, shape.heads, shape.head_dim, device="cuda", generator=g).bfloat16()
-    k = torch.randn(shape.batch, shape.seqlen_k, shape.heads_k, shape.head_dim, device="cuda", generator=g).bfloat16()
-    return q, k, torch.randn_like(k)
-
-
 def profile_shape(shape):
-    q, k, v = inputs(shape)
-    rng = random.Random(0)
-    blocks = to_blocks(make_lists(shape, rng), shape)
+    q, k, v = random_inputs(shape)
+    lists = make_lists(shape, random.Random(0))
+    blocks = to_blocks(lists, shape)
+    missed, spec_table, k_spec, v_spec, union = speculative_inputs(shape, k, v, lists[0][0])
     n_blocks = shape.seqlen_k // BLOCK
-    spec_blocks = list(range(n_blocks - 4, n_blocks))
-    missed_list = sorted(set(make_lists(shape, rng)[0][0]) - set(spec_blocks))
-    missed = torch.tensor(missed_list, dtype=torch.int32, device="cuda")
-    spec_table = torch.tensor(spec_blocks, dtype=torch.int32, device="cuda")
-    k_spec, v_spec = k[:, -4 * BLOCK:].contiguous(), v[:, -4 * BLOCK:].contiguous()
-    union = torch.cat([missed, spec_table])
     methods = {
         "fa2_sparse": lambda: fas.flash_attn_with_sparse_block_table(q, k, v, blocks, backend="fa2"),
         "fa2_sparse splits=1": lambda: fas.flash_attn_with_sparse_block_table(q, k, v, blocks, backend="fa2", num_splits=1),
@@ -113,7 +101,7 @@ def main():
     sixteenth = [s for s in DECODE if s.density == 1 / 16]
     if args.ncu_target:
         shape = next(s for s in sixteenth if args.ncu_target in s.name)
-        q, k, v = inputs(shape)
+        q, k, v = random_inputs(shape)
         blocks = to_blocks(make_lists(shape, random.Random(0)), shape)
         for _ in range(5):
             fas.flash_attn_with_sparse_block_table(q, k, v, blocks, backend="fa2")

@@ -20,6 +20,24 @@ def missed_and_spec(n_blocks, n_spec, rng):
     return spec, missed
 
 
+def gather_speculative(q, k, v, spec, missed, block_size):
+    """The gathered speculative K/V and the missed table of a two-pass call, and its reference's
+    keys, values and visibility: the missed keys (all visible), then the speculative keys (causal
+    within them)."""
+    seqlen_q, seqlen_k = q.shape[1], k.shape[1]
+    spec_pos = block_positions(spec, block_size, seqlen_k).to(q.device)
+    miss_pos = block_positions(missed, block_size, seqlen_k).to(q.device)
+    k_spec, v_spec = k[:, spec_pos].contiguous(), v[:, spec_pos].contiguous()
+    table = torch.tensor(missed, dtype=torch.int32, device=q.device)
+    keys = torch.cat([k[:, miss_pos], k_spec], dim=1)
+    values = torch.cat([v[:, miss_pos], v_spec], dim=1)
+    n_spec = spec_pos.numel()
+    visible = torch.ones(seqlen_q, keys.shape[1], dtype=torch.bool, device=q.device)
+    rows = torch.arange(seqlen_q, device=q.device)[:, None]
+    visible[:, miss_pos.numel():] = torch.arange(n_spec, device=q.device)[None, :] <= rows + n_spec - seqlen_q
+    return k_spec, v_spec, table, (keys, values, visible)
+
+
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
 @pytest.mark.parametrize("seqlen_q", [1, 16, 128])
 @pytest.mark.parametrize("num_splits", [0, 1, 3], ids=["auto", "nosplit", "split"])
@@ -29,19 +47,9 @@ def test_speculative_gathered_equals_attention_over_union(seqlen_q, dtype, num_s
     q, k, v = random_qkv(2, seqlen_q, seqlen_k, 8, 2, 128, dtype, generator=g)
     n_blocks = -(-seqlen_k // block_size)
     spec, missed = missed_and_spec(n_blocks, 3, random.Random(seqlen_q))
-    spec_pos = block_positions(spec, block_size, seqlen_k).cuda()
-    miss_pos = block_positions(missed, block_size, seqlen_k).cuda()
-    k_spec, v_spec = k[:, spec_pos].contiguous(), v[:, spec_pos].contiguous()
-    table = torch.tensor(missed, dtype=torch.int32, device="cuda")
+    k_spec, v_spec, table, reference = gather_speculative(q, k, v, spec, missed, block_size)
     out, lse = fas.flash_attn_speculative_sparse(q, k_spec, v_spec, k, v, table, num_splits=num_splits)
-    # Reference: keys = missed blocks (all visible) then the speculative keys (causal within them).
-    keys = torch.cat([k[:, miss_pos], k_spec], dim=1)
-    values = torch.cat([v[:, miss_pos], v_spec], dim=1)
-    n_spec = spec_pos.numel()
-    visible = torch.ones(seqlen_q, keys.shape[1], dtype=torch.bool, device="cuda")
-    rows = torch.arange(seqlen_q, device="cuda")[:, None]
-    visible[:, miss_pos.numel():] = torch.arange(n_spec, device="cuda")[None, :] <= rows + n_spec - seqlen_q
-    assert_close_to_reference(out, lse, q, keys, values, visible)
+    assert_close_to_reference(out, lse, q, *reference)
 
 
 @pytest.mark.parametrize("missed_blocks", [0, 1, 40])
@@ -53,16 +61,10 @@ def test_speculative_edge_missed_sets(missed_blocks):
     n_blocks = seqlen_k // block_size
     spec = list(range(n_blocks - 2, n_blocks))
     missed = random.Random(missed_blocks).sample(range(n_blocks - 2), missed_blocks)
-    spec_pos = block_positions(spec, block_size, seqlen_k).cuda()
-    miss_pos = block_positions(missed, block_size, seqlen_k).cuda()
-    k_spec, v_spec = k[:, spec_pos].contiguous(), v[:, spec_pos].contiguous()
+    k_spec, v_spec, table, reference = gather_speculative(q, k, v, spec, missed, block_size)
     poison_allocator(((3, seqlen_q, 8, 128), torch.bfloat16), ((3, 8, seqlen_q), torch.float32))
-    out, lse = fas.flash_attn_speculative_sparse(q, k_spec, v_spec, k, v, torch.tensor(missed, dtype=torch.int32, device="cuda"))
-    keys, values = torch.cat([k[:, miss_pos], k_spec], dim=1), torch.cat([v[:, miss_pos], v_spec], dim=1)
-    rows = torch.arange(seqlen_q, device="cuda")[:, None]
-    visible = torch.ones(seqlen_q, keys.shape[1], dtype=torch.bool, device="cuda")
-    visible[:, miss_pos.numel():] = torch.arange(spec_pos.numel(), device="cuda")[None, :] <= rows + spec_pos.numel() - seqlen_q
-    assert_close_to_reference(out, lse, q, keys, values, visible)
+    out, lse = fas.flash_attn_speculative_sparse(q, k_spec, v_spec, k, v, table)
+    assert_close_to_reference(out, lse, q, *reference)
 
 
 def test_speculative_with_per_query_head_missed_lists():

@@ -58,11 +58,15 @@ def int_range(start: int, stop: int, device) -> Tensor:
     device = torch.device(device)
     if device.type != "cuda" or torch.compiler.is_compiling() or torch.cuda.is_current_stream_capturing():
         return torch.arange(start, stop, dtype=torch.int32, device=device)
+    if device.index is None:  # "cuda" and "cuda:0" share one ramp
+        device = torch.device("cuda", torch.cuda.current_device())
     ramp = _RAMPS.get(device)
     if ramp is None or ramp.numel() < stop:
+        length = max(stop, 4096)
         if ramp is not None:
             _RETIRED_RAMPS.append(ramp)
-        ramp = torch.arange(max(stop, 4096, 2 * (ramp.numel() if ramp is not None else 0)), dtype=torch.int32, device=device)
+            length = max(length, 2 * ramp.numel())
+        ramp = torch.arange(length, dtype=torch.int32, device=device)
         torch.cuda.current_stream(device).synchronize()  # other streams may read it next
         _RAMPS[device] = ramp
     return ramp[start:stop]
