@@ -8,7 +8,9 @@
 # Steps: tests (all GPU tests), mutation (V steps densely: the permuted-list tests must fail),
 # bench (benchmarks/bench_sparse.py on $BENCH_SHAPES), fullbench (the whole matrix), fa4 (the
 # stage-4 tests), crossover (FA-2 vs FA-4 as query rows grow), sanitize, reliability, profile
-# (benchmarks/profile_decode.py and ncu on the decode kernels).
+# (benchmarks/profile_decode.py, then ncu on the decode kernels unless PROFILE_NCU=0), variants
+# (each diff in $VARIANTS, an experiment over this commit's patched tree, built as a mutant
+# wheel, then its GPU tests and profile_decode: a same-run comparison with the profile step).
 #
 # The CuTe-DSL runtime (flash-attn-4's, for the Hopper backend) comes in two parts made by
 # ../shared/gpu/cutedsl-runtime/make-parts.sh into .carry/cutedsl: carry part1 in one call and
@@ -113,6 +115,7 @@ for s in $STEPS; do
     profile)
         step profile
         timeout 300 python3 benchmarks/profile_decode.py > "$OUT/profile.txt" 2>&1
+        [ "${PROFILE_NCU:-1}" = 0 ] && { note "profile: $(wc -l < "$OUT/profile.txt") lines in profile.txt"; continue; }
         for target in "B8 Sq16" "B1 Sq1"; do
             timeout 120 ncu --clock-control none -k regex:"flash_fwd_sparse|combine" --launch-skip 6 --launch-count 2 \
                 --section SpeedOfLight --section Occupancy --section LaunchStats --section WarpStateStats \
@@ -121,6 +124,20 @@ for s in $STEPS; do
             { echo "### ncu $target"; grep -E "^  [a-z_]+.*\(|Duration|DRAM Throughput|Memory Throughput|Achieved Occupancy|Theoretical Occupancy|Registers Per Thread|Block Limit|Waves Per SM|Grid Size|Dynamic Shared|Stall|Issue Slots|L2 Hit|Eligible Warps" "$LOGS/ncu-${target// /_}.txt"; } >> "$OUT/profile.txt"
         done
         note "profile: $(wc -l < "$OUT/profile.txt") lines in profile.txt" ;;
+    variants)
+        for diff in $VARIANTS; do
+            name=$(basename "$diff" .diff)
+            step "variant $name"
+            start=$(date +%s)
+            PYTHONPATH=python python3 -m forktools build --profile dev --jobs "$(nproc)" --mutation "$diff" > "$LOGS/variant-$name-build.log" 2>&1
+            mutant=$(ls -t dist/flash_attn-*mutant*.whl 2>/dev/null | head -1)
+            [ -n "$mutant" ] || { note "variant $name build: FAILED"; tail -30 build/logs/build-dev.log; continue; }
+            note "variant $name build: $(( $(date +%s) - start )) s"
+            rm -rf "/tmp/site-$name" && python3 -m pip install -q --no-deps --no-index --target "/tmp/site-$name" "$mutant"
+            PYTHONPATH=/tmp/site-$name timeout 300 python3 benchmarks/profile_decode.py > "$OUT/profile-$name.txt" 2>&1
+            note "variant $name profile: $(wc -l < "$OUT/profile-$name.txt") lines"
+            PYTHONPATH=/tmp/site-$name run_tests "variant-$name" tests -m gpu
+        done ;;
     fullbench)
         step fullbench
         timeout 900 python3 benchmarks/bench_sparse.py ${BENCH_METHODS:+--methods "$BENCH_METHODS"} --json "$OUT/bench.json" --markdown "$OUT/bench.md" > "$LOGS/bench.log" 2>&1
