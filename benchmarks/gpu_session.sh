@@ -73,7 +73,7 @@ if [ -n "$CUTEDSL_PATH" ]; then  # where the CuTe-DSL pieces come from, and any 
     python3 -m pip list 2>/dev/null | grep -iE "cutlass|quack|flash|tvm|dlpack" > "$LOGS/cutedsl-packages.txt"
     python3 -c "import flash_attn_sparse.fa4 as f, quack, cutlass; print('quack', quack.__file__, 'cutlass', cutlass.__file__); f.import_cute('interface')" > "$LOGS/cutedsl-import.log" 2>&1
 fi
-cp "$wheel" "$OUT/"
+tar cf "$OUT/dist-wheel.tar" -C dist "$(basename "$wheel")"  # "+" in the name does not come back; reuse: untar into dist/
 
 run_tests() {  # name, pytest args...
     local name=$1; shift

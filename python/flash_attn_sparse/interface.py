@@ -66,10 +66,29 @@ def choose_num_splits(batch_heads_mblocks: int, num_sms: int, num_tiles: int, ma
 KERNEL_ROWS = 64  # query rows per CTA of the split-capable kernel
 
 
-def _auto_num_splits(q: Tensor, batch: int, tile_heads: int, tile_rows: int, list_length: int, block_size: int) -> int:
-    tiles = cdiv(list_length * block_size, _tile_n(q.shape[-1]))
-    # Two 128-thread CTAs fit per SM, as upstream assumes.
-    return choose_num_splits(batch * tile_heads * cdiv(tile_rows, KERNEL_ROWS), 2 * _num_sms(q.device.index or 0), max(tiles, 1))
+def _split_slots(q: Tensor) -> int:
+    """CTAs of the split-capable kernel resident at once: two 128-thread CTAs per SM, as upstream assumes."""
+    return 2 * _num_sms(q.device.index or 0)
+
+
+def speculative_split_pair(ctas_per_split: int, slots: int, spec_tiles: int, missed_tiles: int) -> Tuple[int, int]:
+    """Split counts of the two passes of flash_attn_speculative_sparse, which run side by side:
+    the count one pass over both lists would choose, shared in proportion to each list's tiles
+    (at least one split each, at most one per tile), so that the two grids together are about
+    that one pass's grid, with its tiles per CTA."""
+    total = choose_num_splits(ctas_per_split, slots, spec_tiles + missed_tiles)
+    spec = min(max(1, round(total * spec_tiles / (spec_tiles + missed_tiles))), spec_tiles)
+    return spec, min(max(1, total - spec), missed_tiles)
+
+
+_SIDE_STREAMS = {}
+
+
+def _side_stream(device: torch.device) -> torch.cuda.Stream:
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _SIDE_STREAMS:
+        _SIDE_STREAMS[index] = torch.cuda.Stream(device=index)
+    return _SIDE_STREAMS[index]
 
 
 def _check_qkv(q: Tensor, k: Tensor, v: Tensor, varlen: bool, paged: bool = False) -> Tuple[Tensor, Tensor, Tensor]:
@@ -256,13 +275,19 @@ class _Call:
                 self.max_seqlen_q, self.max_seqlen_k, b.block_size, b.resolved_q_block_size(self.max_seqlen_q),
                 self.scale, self.causal, num_splits, self.pack_gqa, self.page_table)
 
+    def split_work(self) -> Tuple[int, int]:
+        """(CTAs per split, kernel tiles of the longest list) of the split-capable kernel."""
+        group = self.q.shape[-2] // self.k.shape[-2] if self.pack_gqa else 1
+        ctas = self.batch * (self.q.shape[-2] // group) * cdiv(self.max_seqlen_q * group, KERNEL_ROWS)
+        tiles = cdiv(self.blocks.max_list_length(self.max_seqlen_k) * self.blocks.block_size, _tile_n(self.q.shape[-1]))
+        return ctas, max(tiles, 1)
+
     def num_splits(self) -> int:
         """The requested split count, or the heuristic's choice for 0."""
         if self.requested_splits:
             return self.requested_splits
-        group = self.q.shape[-2] // self.k.shape[-2] if self.pack_gqa else 1
-        return _auto_num_splits(self.q, self.batch, self.q.shape[-2] // group, self.max_seqlen_q * group,
-                                self.blocks.max_list_length(self.max_seqlen_k), self.blocks.block_size)
+        ctas, tiles = self.split_work()
+        return choose_num_splits(ctas, _split_slots(self.q), tiles)
 
     def backend(self) -> Tuple[str, str]:
         """(backend, why): the requested one, or auto's choice. A requested "fa4" that cannot
@@ -424,8 +449,10 @@ def flash_attn_speculative_sparse(q: Tensor, k_spec: Tensor, v_spec: Tensor, k: 
     """Speculative + repair: attention over the caller-gathered speculative K/V (k_spec, v_spec;
     it holds the diagonal, causal when causal_spec) merged exactly with attention over the
     missed blocks of the full K/V (sparse_block_table, all "full": every key visible to every
-    query row). Both passes write fp32 partials into one buffer; the split-KV combine kernel
-    merges them. Returns (out, lse) like flash_attn_with_sparse_block_table."""
+    query row). Both passes write fp32 partials into one buffer, side by side on two CUDA streams
+    (in eager mode and in graph capture; one after the other under torch.compile), with the split
+    count of one pass over both lists shared between them (num_splits > 0: that many each); the
+    split-KV combine kernel merges them. Returns (out, lse) like flash_attn_with_sparse_block_table."""
     batch = q.shape[0] if isinstance(q, Tensor) and q.dim() == 4 else 1
     missed = _as_blocks(sparse_block_table, block_size, batch, "sparse_block_table")
     if not isinstance(k_spec, Tensor) or k_spec.dim() != 4:
@@ -436,14 +463,28 @@ def flash_attn_speculative_sparse(q: Tensor, k_spec: Tensor, v_spec: Tensor, k: 
                       validate=validate, table_name="k_spec")
     missed_call = _Call(q, k, v, missed, causal=False, softmax_scale=softmax_scale, num_splits=num_splits,
                         validate=validate)
-    spec_splits = spec_call.num_splits()
-    missed_splits = missed_call.num_splits()
+    (spec_ctas, spec_tiles), (missed_ctas, missed_tiles) = spec_call.split_work(), missed_call.split_work()
+    if num_splits or spec_ctas != missed_ctas:
+        spec_splits, missed_splits = spec_call.num_splits(), missed_call.num_splits()
+    else:
+        spec_splits, missed_splits = speculative_split_pair(spec_ctas, _split_slots(q), spec_tiles, missed_tiles)
     if spec_splits + missed_splits > MAX_SPLITS:
         spec_splits, missed_splits = min(spec_splits, MAX_SPLITS // 2), min(missed_splits, MAX_SPLITS // 2)
     out_partial, lse_partial = ops.partial_buffers(spec_splits + missed_splits, spec_call.batch, q.shape[2],
                                                    q.shape[1], q.shape[3], q.device)
-    spec_call.run_partial(out_partial, lse_partial, 0, spec_splits)
-    missed_call.run_partial(out_partial, lse_partial, spec_splits, missed_splits)
+    if torch.compiler.is_compiling():
+        spec_call.run_partial(out_partial, lse_partial, 0, spec_splits)
+        missed_call.run_partial(out_partial, lse_partial, spec_splits, missed_splits)
+    else:
+        # The passes write disjoint slots, so they run side by side on two streams (also inside a
+        # CUDA graph capture): each is a partial wave whose CTAs are mostly fixed cost (prologue,
+        # epilogue), and one after the other they paid that twice.
+        main, side = torch.cuda.current_stream(q.device), _side_stream(q.device)
+        side.wait_stream(main)
+        with torch.cuda.stream(side):
+            missed_call.run_partial(out_partial, lse_partial, spec_splits, missed_splits)
+        spec_call.run_partial(out_partial, lse_partial, 0, spec_splits)
+        main.wait_stream(side)
     return ops.combine(out_partial, lse_partial, q.dtype, q.shape[3], None, 0)
 
 
