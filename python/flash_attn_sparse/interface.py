@@ -71,26 +71,6 @@ def _split_slots(q: Tensor) -> int:
     return 2 * _num_sms(q.device.index or 0)
 
 
-def speculative_split_pair(ctas_per_split: int, slots: int, spec_tiles: int, missed_tiles: int) -> Tuple[int, int]:
-    """Split counts of the two passes of flash_attn_speculative_sparse, which run side by side:
-    the count one pass over both lists would choose, shared in proportion to each list's tiles
-    (at least one split each, at most one per tile), so that the two grids together are about
-    that one pass's grid, with its tiles per CTA."""
-    total = choose_num_splits(ctas_per_split, slots, spec_tiles + missed_tiles)
-    spec = min(max(1, round(total * spec_tiles / (spec_tiles + missed_tiles))), spec_tiles)
-    return spec, min(max(1, total - spec), missed_tiles)
-
-
-_SIDE_STREAMS = {}
-
-
-def _side_stream(device: torch.device) -> torch.cuda.Stream:
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    if index not in _SIDE_STREAMS:
-        _SIDE_STREAMS[index] = torch.cuda.Stream(device=index)
-    return _SIDE_STREAMS[index]
-
-
 def _check_qkv(q: Tensor, k: Tensor, v: Tensor, varlen: bool, paged: bool = False) -> Tuple[Tensor, Tensor, Tensor]:
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, Tensor):
@@ -449,10 +429,8 @@ def flash_attn_speculative_sparse(q: Tensor, k_spec: Tensor, v_spec: Tensor, k: 
     """Speculative + repair: attention over the caller-gathered speculative K/V (k_spec, v_spec;
     it holds the diagonal, causal when causal_spec) merged exactly with attention over the
     missed blocks of the full K/V (sparse_block_table, all "full": every key visible to every
-    query row). Both passes write fp32 partials into one buffer, side by side on two CUDA streams
-    (in eager mode and in graph capture; one after the other under torch.compile), with the split
-    count of one pass over both lists shared between them (num_splits > 0: that many each); the
-    split-KV combine kernel merges them. Returns (out, lse) like flash_attn_with_sparse_block_table."""
+    query row). Both passes write fp32 partials into one buffer; the split-KV combine kernel
+    merges them. Returns (out, lse) like flash_attn_with_sparse_block_table."""
     batch = q.shape[0] if isinstance(q, Tensor) and q.dim() == 4 else 1
     missed = _as_blocks(sparse_block_table, block_size, batch, "sparse_block_table")
     if not isinstance(k_spec, Tensor) or k_spec.dim() != 4:
@@ -463,28 +441,14 @@ def flash_attn_speculative_sparse(q: Tensor, k_spec: Tensor, v_spec: Tensor, k: 
                       validate=validate, table_name="k_spec")
     missed_call = _Call(q, k, v, missed, causal=False, softmax_scale=softmax_scale, num_splits=num_splits,
                         validate=validate)
-    (spec_ctas, spec_tiles), (missed_ctas, missed_tiles) = spec_call.split_work(), missed_call.split_work()
-    if num_splits or spec_ctas != missed_ctas:
-        spec_splits, missed_splits = spec_call.num_splits(), missed_call.num_splits()
-    else:
-        spec_splits, missed_splits = speculative_split_pair(spec_ctas, _split_slots(q), spec_tiles, missed_tiles)
+    spec_splits = spec_call.num_splits()
+    missed_splits = missed_call.num_splits()
     if spec_splits + missed_splits > MAX_SPLITS:
         spec_splits, missed_splits = min(spec_splits, MAX_SPLITS // 2), min(missed_splits, MAX_SPLITS // 2)
     out_partial, lse_partial = ops.partial_buffers(spec_splits + missed_splits, spec_call.batch, q.shape[2],
                                                    q.shape[1], q.shape[3], q.device)
-    if torch.compiler.is_compiling():
-        spec_call.run_partial(out_partial, lse_partial, 0, spec_splits)
-        missed_call.run_partial(out_partial, lse_partial, spec_splits, missed_splits)
-    else:
-        # The passes write disjoint slots, so they run side by side on two streams (also inside a
-        # CUDA graph capture): each is a partial wave whose CTAs are mostly fixed cost (prologue,
-        # epilogue), and one after the other they paid that twice.
-        main, side = torch.cuda.current_stream(q.device), _side_stream(q.device)
-        side.wait_stream(main)
-        with torch.cuda.stream(side):
-            missed_call.run_partial(out_partial, lse_partial, spec_splits, missed_splits)
-        spec_call.run_partial(out_partial, lse_partial, 0, spec_splits)
-        main.wait_stream(side)
+    spec_call.run_partial(out_partial, lse_partial, 0, spec_splits)
+    missed_call.run_partial(out_partial, lse_partial, spec_splits, missed_splits)
     return ops.combine(out_partial, lse_partial, q.dtype, q.shape[3], None, 0)
 
 
