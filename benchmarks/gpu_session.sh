@@ -10,7 +10,8 @@
 # stage-4 tests), crossover (FA-2 vs FA-4 as query rows grow), sanitize, reliability, profile
 # (benchmarks/profile_decode.py, then ncu on the decode kernels unless PROFILE_NCU=0), variants
 # (each diff in $VARIANTS, an experiment over this commit's patched tree, built as a mutant
-# wheel, then its GPU tests and profile_decode: a same-run comparison with the profile step).
+# wheel, then its GPU tests and profile_decode: a same-run comparison with the profile step),
+# ncu-dense (counters of the sparse kernel with every block listed beside upstream's dense kernel).
 #
 # The CuTe-DSL runtime (flash-attn-4's, for the Hopper backend) comes in two parts made by
 # ../shared/gpu/cutedsl-runtime/make-parts.sh into .carry/cutedsl: carry part1 in one call and
@@ -138,6 +139,16 @@ for s in $STEPS; do
             note "variant $name profile: $(wc -l < "$OUT/profile-$name.txt") lines"
             PYTHONPATH=/tmp/site-$name run_tests "variant-$name" tests -m gpu
         done ;;
+    ncu-dense)  # the sparse kernel with every block listed vs upstream's dense one, same shape: counters side by side
+        step ncu-dense
+        for target_ in ${NCU_TARGETS:-B8_Sq1 B1_Sq1}; do
+            target=${target_//_/ }
+            timeout 200 ncu --clock-control none -k regex:"flash_fwd_sparse_kernel|flash_fwd_splitkv_kernel|flash_fwd_kernel" --launch-skip 2 --launch-count 2 \
+                --csv --metrics "$(tr -s ' \n' ',' < benchmarks/ncu_metrics.txt | sed 's/,$//')" \
+                python3 benchmarks/profile_decode.py --ncu-target "$target" --ncu-dense > "$LOGS/ncu-dense-${target// /_}.csv" 2>&1
+            { echo "### ncu dense $target"; python3 benchmarks/ncu_table.py "$LOGS/ncu-dense-${target// /_}.csv"; } >> "$OUT/ncu-dense.txt" 2>&1
+        done
+        note "ncu-dense: $(wc -l < "$OUT/ncu-dense.txt") lines" ;;
     fullbench)
         step fullbench
         timeout 900 python3 benchmarks/bench_sparse.py ${BENCH_METHODS:+--methods "$BENCH_METHODS"} --json "$OUT/bench.json" --markdown "$OUT/bench.md" > "$LOGS/bench.log" 2>&1

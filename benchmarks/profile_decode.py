@@ -97,14 +97,21 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--shapes", default="B8 Sq16,B8 Sq1,B1 Sq1")
     parser.add_argument("--ncu-target", help="a shape name substring: run 5 plain calls at 1/16 for ncu")
+    parser.add_argument("--ncu-dense", action="store_true",
+                        help="with --ncu-target: every block listed, 3 calls, then 3 of upstream's dense flash_attn_func")
     args = parser.parse_args()
     sixteenth = [s for s in DECODE if s.density == 1 / 16]
     if args.ncu_target:
-        shape = next(s for s in sixteenth if args.ncu_target in s.name)
+        density = 1.0 if args.ncu_dense else 1 / 16
+        shape = next(s for s in DECODE if s.density == density and args.ncu_target in s.name)
         q, k, v = random_inputs(shape)
         blocks = to_blocks(make_lists(shape, random.Random(0)), shape)
-        for _ in range(5):
+        for _ in range(3 if args.ncu_dense else 5):
             fas.flash_attn_with_sparse_block_table(q, k, v, blocks, backend="fa2")
+        if args.ncu_dense:
+            from flash_attn import flash_attn_func
+            for _ in range(3):
+                flash_attn_func(q, k, v)
         torch.cuda.synchronize()
         return
     print(f"GPU: {torch.cuda.get_device_name()}  torch {torch.__version__}", flush=True)
