@@ -501,8 +501,9 @@ inline __device__ void compute_attn_1rowblock_sparse(const Params &params, const
     // past seqlen_k; when paged, inside one page). Its first row (a position, or a row of the
     // cache when paged) is enough: it is copied as one strided tile, each thread's row offsets
     // fixed, as in upstream's dense kernel, instead of an address per row. Measured (ncu, dense
-    // B1 Sq1 Sk128k): the per-row path executed 46% more instructions than upstream's kernel and
-    // ran 22% longer on the same grid. Returns that first row, or -1 after filling `positions`.
+    // B1 Sq1 Sk128k, tests/RESULTS.md runs 18-19): the per-row path ran 46% more instructions
+    // than upstream's kernel, 22% longer on the same grid; this path: 20% fewer instructions, 5%
+    // less time. Returns that first row, or -1 after filling `positions`.
     auto tile_keys = [&](const int tile, int (&positions)[kRowsPerThread]) {
         if (list.block_size >= kBlockN && (!Paged || (paged.page_shift >= 0 && paged.page_size >= kBlockN))) {
             const int e = (tile * kBlockN) >> list.block_size_log2;
