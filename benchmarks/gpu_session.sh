@@ -13,6 +13,9 @@
 # wheel, then its GPU tests and profile_decode: a same-run comparison with the profile step),
 # ncu-dense (counters of the sparse kernel with every block listed beside upstream's dense kernel).
 #
+# The summary names the commit from .commit (git-ignored): `git rev-parse --short HEAD > .commit`
+# and carry it with the upstream cache, e.g. carry [".cache/upstream", ".commit"].
+#
 # The CuTe-DSL runtime (flash-attn-4's, for the Hopper backend) comes in two parts made by
 # ../shared/gpu/cutedsl-runtime/make-parts.sh into .carry/cutedsl: carry part1 in one call and
 # part2 in the next (within 30 s, while /tmp survives); this script unpacks whichever it finds
