@@ -11,7 +11,8 @@
 # (benchmarks/profile_decode.py, then ncu on the decode kernels unless PROFILE_NCU=0), variants
 # (each diff in $VARIANTS, an experiment over this commit's patched tree, built as a mutant
 # wheel, then its GPU tests and profile_decode: a same-run comparison with the profile step),
-# ncu-dense (counters of the sparse kernel with every block listed beside upstream's dense kernel).
+# ncu-dense (counters of the sparse kernel with every block listed beside upstream's dense kernel),
+# ncu-source (that kernel's per-SASS-instruction counters and stall samples, for the hot spots).
 #
 # The summary names the commit from .commit (git-ignored): `git rev-parse --short HEAD > .commit`
 # and carry it with the upstream cache, e.g. carry [".cache/upstream", ".commit"].
@@ -152,6 +153,13 @@ for s in $STEPS; do
             { echo "### ncu dense $target"; python3 benchmarks/ncu_table.py "$LOGS/ncu-dense-${target// /_}.csv"; } >> "$OUT/ncu-dense.txt" 2>&1
         done
         note "ncu-dense: $(wc -l < "$OUT/ncu-dense.txt") lines" ;;
+    ncu-source)  # per-instruction (SASS) counters and stall samples of the sparse kernel, every block listed, B1 Sq1 Sk128k
+        step ncu-source
+        timeout 300 ncu --set full --clock-control none -k regex:flash_fwd_sparse_kernel --launch-skip 2 --launch-count 1 \
+            -o "$OUT/sparse-dense" python3 benchmarks/profile_decode.py --ncu-target "B1 Sq1" --ncu-dense > "$LOGS/ncu-source.log" 2>&1
+        ncu --import "$OUT/sparse-dense.ncu-rep" --page source --print-source sass --csv > "$LOGS/sparse-dense-sass.csv" 2>&1 \
+            && gzip -c "$LOGS/sparse-dense-sass.csv" > "$OUT/sparse-dense-sass.csv.gz"
+        note "ncu-source: $(ls -s "$OUT/sparse-dense.ncu-rep" 2>/dev/null | cut -d' ' -f1) KB report, $(wc -l < "$LOGS/sparse-dense-sass.csv") SASS lines" ;;
     fullbench)
         step fullbench
         timeout 900 python3 benchmarks/bench_sparse.py ${BENCH_METHODS:+--methods "$BENCH_METHODS"} --json "$OUT/bench.json" --markdown "$OUT/bench.md" > "$LOGS/bench.log" 2>&1
