@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import flash_attn_sparse as fas
-from flash_attn_sparse.reference import attention_ref, block_positions, combine_ref
+from flash_attn_sparse.reference import attention_over_blocks, attention_ref, block_positions, combine_ref
 from helpers import assert_close_to_reference, max_err, poison_allocator, random_qkv
 
 pytestmark = [pytest.mark.stage5, pytest.mark.gpu]
@@ -220,3 +220,23 @@ def test_dense_flash_attn_varlen_func_unchanged(head_dim, causal):
         low_out, _ = attention_ref(qs[i], ks[i], vs[i], visible, dtype=torch.bfloat16)
         got = out[cu_q[i]:cu_q[i + 1]].unsqueeze(0)
         assert max_err(got, ref_out) <= 2 * max_err(low_out, ref_out) + 1e-5
+
+
+def test_head_dim_without_an_even_kernel_is_exact_or_refused():
+    """Head dim 112 runs the 128 kernel with its columns past 112 predicated off (full profile),
+    or is refused by a build without those kernels (the dev profile's
+    FLASHATTENTION_DISABLE_UNEVEN_K), never computed past each row."""
+    from flash_attn_sparse.reference import attention_over_blocks
+    g = torch.Generator(device="cuda").manual_seed(9)
+    q, k, v = random_qkv(2, 16, 1000, 8, 2, 112, torch.bfloat16, generator=g)
+    blocks = [6, 0, 3]
+    table = torch.tensor(blocks, dtype=torch.int32, device="cuda")
+    try:
+        out, lse = fas.flash_attn_with_sparse_block_table(q, k, v, table, num_splits=2)
+    except RuntimeError as error:
+        assert "FLASHATTENTION_DISABLE_UNEVEN_K" in str(error)
+        return
+    ref_out, ref_lse = attention_over_blocks(q, k, v, blocks, 128, dtype=torch.float32)
+    low_out, _ = attention_over_blocks(q, k, v, blocks, 128, dtype=torch.bfloat16)
+    assert max_err(out, ref_out) <= 2 * max_err(low_out, ref_out) + 1e-5
+    assert max_err(lse, ref_lse) <= 1e-3

@@ -50,6 +50,16 @@ void check_int32_table(const at::Tensor &t, const char *name, const at::Tensor &
     TORCH_CHECK(t.stride(-1) == 1, name, " must have a contiguous last dimension");
 }
 
+// A build with FLASHATTENTION_DISABLE_UNEVEN_K (the dev profile) has only the kernels that read
+// and write whole rows of their head dimension: any other head dim would run past each row.
+void check_head_dim_has_kernel(const int head_size) {
+#ifdef FLASHATTENTION_DISABLE_UNEVEN_K
+    TORCH_CHECK(head_size == 32 || head_size == 64 || head_size == 96 || head_size == 128 || head_size == 192 || head_size == 256,
+                "this build has no kernels for uneven head dimensions (FLASHATTENTION_DISABLE_UNEVEN_K): "
+                "the head dimension must be 32, 64, 96, 128, 192 or 256, got ", head_size);
+#endif
+}
+
 void run_sparse(Flash_fwd_params &params, cudaStream_t stream, bool wide, bool split) {
     FP16_SWITCH(!params.is_bf16, [&] {
         HEADDIM_SWITCH(params.d, [&] {
@@ -113,6 +123,7 @@ std::vector<at::Tensor> mha_fwd_sparse(
     const int total_q = varlen ? q.size(0) : batch_size * seqlen_q;
     TORCH_CHECK(batch_size > 0, "batch size must be positive");
     TORCH_CHECK(head_size <= 256 && head_size % 8 == 0, "head dimension must be a multiple of 8, at most 256");
+    check_head_dim_has_kernel(head_size);
     TORCH_CHECK(num_heads % num_heads_k == 0, "Number of heads in key/value must divide number of heads in query");
     if (varlen) {
         CHECK_SHAPE(q, total_q, num_heads, head_size);
@@ -283,6 +294,7 @@ void mha_combine(const at::Tensor &out_partial, const at::Tensor &lse_partial,
     const int num_slots = out_partial.size(0), batch_size = out_partial.size(1), num_heads = out_partial.size(2);
     const int seqlen_q = out_partial.size(3);
     const int head_size = out.size(-1);
+    check_head_dim_has_kernel(head_size);
     TORCH_CHECK(num_slots >= 1 && num_slots <= 128, "at most 128 partials can be combined");
     CHECK_SHAPE(out_partial, num_slots, batch_size, num_heads, seqlen_q, head_size_rounded(head_size));
     CHECK_SHAPE(lse_partial, num_slots, batch_size, num_heads, seqlen_q);
