@@ -1,5 +1,6 @@
 """Where decode time goes: per-kernel GPU times of one call, and a fit of time against listed
-bytes (fixed cost + bytes / bandwidth) per split count, on the decode shapes of bench_sparse.
+bytes (fixed cost + bytes / bandwidth) per split count, on the decode shapes of bench_sparse;
+then each shape with every block listed beside upstream's dense FA-2 call.
 
     python benchmarks/profile_decode.py [--shapes "B8 Sq16"] [--ncu-target "B8 Sq16"]
 
@@ -39,7 +40,7 @@ def short(name: str) -> str:
 
 
 def kernel_breakdown(fn, calls: int = 20):
-    """{kernel: (launches per call, mean us per launch)} over `calls` plain calls."""
+    """{kernel: mean us of its 1st, 2nd, ... launch within a call} over `calls` plain calls."""
     for _ in range(3):
         fn()
     torch.cuda.synchronize()
@@ -48,10 +49,22 @@ def kernel_breakdown(fn, calls: int = 20):
             fn()
         torch.cuda.synchronize()
     times = defaultdict(list)
-    for event in prof.events():
-        if event.device_type == torch.autograd.DeviceType.CUDA:
-            times[short(event.name)].append(event.device_time)
-    return {name: (len(t) / calls, sum(t) / len(t)) for name, t in times.items()}
+    events = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    for event in sorted(events, key=lambda e: e.time_range.start):
+        times[short(event.name)].append(event.device_time)
+    breakdown = {}
+    for name, t in times.items():
+        per_call = max(len(t) // calls, 1)
+        breakdown[name] = [sum(t[i::per_call]) / len(t[i::per_call]) for i in range(per_call)]
+    return breakdown
+
+
+def describe(breakdown) -> str:
+    """'kernel 1x27.5, other 2x[12.1 30.2]', slowest first."""
+    parts = []
+    for name, us in sorted(breakdown.items(), key=lambda kv: -sum(kv[1])):
+        parts.append(f"{name} 1x{us[0]:.1f}" if len(us) == 1 else f"{name} {len(us)}x[{' '.join(f'{u:.1f}' for u in us)}]")
+    return ", ".join(parts)
 
 
 def profile_shape(shape):
@@ -71,9 +84,8 @@ def profile_shape(shape):
     for name, fn in methods.items():
         ms = timed(fn)
         kernels = kernel_breakdown(fn)
-        busy = sum(n * us for n, us in kernels.values())
-        detail = ", ".join(f"{k} {n:g}x{us:.1f}" for k, (n, us) in sorted(kernels.items(), key=lambda kv: -kv[1][1]))
-        print(f"{name:>22}: graph {1e3 * ms:6.1f} us, kernels {busy:6.1f} us: {detail}", flush=True)
+        busy = sum(sum(us) for us in kernels.values())
+        print(f"{name:>22}: graph {1e3 * ms:6.1f} us, kernels {busy:6.1f} us: {describe(kernels)}", flush=True)
 
     print(f"## {shape.name}: graph us per call vs blocks per (batch, KV head) list")
     print("splits \\ blocks | " + " | ".join(str(n) for n in LIST_LENGTHS) + " | fixed us | TB/s (fit)")
@@ -91,6 +103,20 @@ def profile_shape(shape):
         fixed = my - slope * mx
         label = "auto" if splits == 0 else str(splits)
         print(f"{label} | " + " | ".join(f"{t:.1f}" for t in row) + f" | {fixed:.1f} | {1e-6 / slope:.2f}", flush=True)
+
+
+def profile_dense(shape):
+    """Every block listed vs upstream's dense FA-2 on the same shape: the sparse kernel's own cost."""
+    from flash_attn import flash_attn_func
+    q, k, v = random_inputs(shape)
+    blocks = to_blocks(make_lists(shape, random.Random(0)), shape)
+    print(f"## {shape.name}, every block listed: graph us and kernels of one call (plain launches, us)")
+    for name, fn in {"fa2_sparse": lambda: fas.flash_attn_with_sparse_block_table(q, k, v, blocks, backend="fa2"),
+                     "upstream flash_attn_func": lambda: flash_attn_func(q, k, v)}.items():
+        ms = timed(fn)
+        kernels = kernel_breakdown(fn)
+        print(f"{name:>24}: graph {1e3 * ms:6.1f} us, kernels {sum(sum(us) for us in kernels.values()):6.1f} us: "
+              f"{describe(kernels)}", flush=True)
 
 
 def main():
@@ -115,9 +141,13 @@ def main():
         torch.cuda.synchronize()
         return
     print(f"GPU: {torch.cuda.get_device_name()}  torch {torch.__version__}", flush=True)
+    wanted = lambda shape: any(part.strip() in shape.name for part in args.shapes.split(","))
     for shape in sixteenth:
-        if any(part.strip() in shape.name for part in args.shapes.split(",")):
+        if wanted(shape):
             profile_shape(shape)
+    for shape in DECODE:
+        if shape.density == 1.0 and wanted(shape):
+            profile_dense(shape)
 
 
 if __name__ == "__main__":
