@@ -10,7 +10,8 @@
 # stage-4 tests), crossover (FA-2 vs FA-4 as query rows grow), sanitize, reliability, profile
 # (benchmarks/profile_decode.py, then ncu on the decode kernels unless PROFILE_NCU=0), variants
 # (each diff in $VARIANTS, an experiment over this commit's patched tree, built as a mutant
-# wheel, then its GPU tests and profile_decode: a same-run comparison with the profile step),
+# wheel, then its GPU tests and profile_decode: a same-run comparison with the profile step;
+# make one with `PYTHONPATH=python python -m forktools variant BRANCH -o .carry/variants/BRANCH.diff`),
 # ncu-dense (counters of the sparse kernel with every block listed beside upstream's dense kernel),
 # ncu-source (that kernel's per-SASS-instruction counters and stall samples, for the hot spots).
 #

@@ -25,7 +25,7 @@ REPO = Path(__file__).resolve().parents[1]
 # python/flash_attn_sparse for the other test modules (see conftest.py).
 sys.path.append(str(REPO / "python"))
 
-from forktools import ToolError, patchfile, series, stages, upstream  # noqa: E402
+from forktools import ToolError, patchfile, series, stages, upstream, variant  # noqa: E402
 from forktools.__main__ import main  # noqa: E402
 from forktools.layout import Layout  # noqa: E402
 from forktools.patchfile import PatchError  # noqa: E402
@@ -540,3 +540,42 @@ def test_applier_matches_git_apply_on_random_edits(old: bytes, new: bytes):
     assume(old != new)  # git apply refuses an empty diff
     with tempfile.TemporaryDirectory() as tmp:
         apply_both(*diff_and_trees(Path(tmp), {"f.txt": old}, {"f.txt": new}))
+
+
+# --- variants: an experiment branch as a diff over the base's laid tree ----------------------
+
+def test_variant_diff_turns_the_base_tree_into_the_branch_tree(exported: Layout, tmp_path: Path):
+    root = exported.root
+    (root / ".gitignore").write_text("/.cache/\n/build/\n")
+    git(root, "init", "-q", "-b", "main")
+    git(root, "add", "-A")
+    git(root, "commit", "-q", "-m", "base")
+    git(root, "checkout", "-q", "-b", "experiment")
+    (root / "python" / "flash_attn_sparse" / "__init__.py").write_text("SPARSE = 2\n")
+    (exported.overlay / "flash-attn" / "csrc").mkdir(parents=True)
+    (exported.overlay / "flash-attn" / "csrc" / "new_kernel.cu").write_text("// new kernel\n")
+    git(root, "add", "-A")
+    git(root, "commit", "-q", "-m", "experiment")
+    text = variant.diff(exported, "experiment", base="main")
+    assert b"diff --git a/flash_attn_sparse/__init__.py b/flash_attn_sparse/__init__.py" in text
+    assert b"+++ b/csrc/new_kernel.cu" in text and b"base/" not in text and b"branch/" not in text
+    laid = {}
+    for rev in ("main", "experiment"):
+        git(root, "checkout", "-q", rev)
+        series.materialize(exported, "flash-attn", tmp_path / rev)
+        laid[rev] = tree_files(tmp_path / rev)
+    patchfile.apply_diff(text, tmp_path / "main", "experiment")  # what build --mutation does
+    assert tree_files(tmp_path / "main") == laid["experiment"] != laid["main"]
+
+
+def test_variant_refuses_a_branch_that_does_not_contain_the_base(exported: Layout):
+    root = exported.root
+    (root / ".gitignore").write_text("/.cache/\n/build/\n")
+    git(root, "init", "-q", "-b", "main")
+    git(root, "add", "-A")
+    git(root, "commit", "-q", "-m", "base")
+    git(root, "branch", "experiment")
+    (root / "python" / "flash_attn_sparse" / "__init__.py").write_text("SPARSE = 3\n")
+    git(root, "commit", "-q", "-am", "main moves on")
+    with pytest.raises(ToolError, match="rebase it onto main"):
+        variant.diff(exported, "experiment", base="main")

@@ -6,7 +6,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from forktools import ToolError, build, series, stages, upstream
+from forktools import ToolError, build, series, stages, upstream, variant
 from forktools.layout import Layout
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -31,6 +31,17 @@ def _export(layout: Layout, args: argparse.Namespace) -> int:
 
 def _check_patches(layout: Layout, args: argparse.Namespace) -> int:
     series.check(layout)
+    return 0
+
+
+def _variant(layout: Layout, args: argparse.Namespace) -> int:
+    text = variant.diff(layout, args.branch, base=args.base)
+    if args.output:
+        args.output.parent.mkdir(parents=True, exist_ok=True)
+        args.output.write_bytes(text)
+        print(f"variant: {args.output} ({args.branch} over {args.base}, {text.count(b'diff --git')} files)")
+    else:
+        sys.stdout.buffer.write(text)
     return 0
 
 
@@ -86,6 +97,12 @@ def _parser() -> argparse.ArgumentParser:
                          help="apply a defect on top, to check that the tests catch it (tests/mutations/)")
     command.add_argument("--install", action="store_true", help="pip-install the wheel into this Python afterwards")
     command.set_defaults(run=_build)
+
+    command = commands.add_parser("variant", help="a branch as a diff over the base's patched flash-attn tree (for build --mutation)")
+    command.add_argument("branch", help="the experiment's branch or commit")
+    command.add_argument("--base", default="HEAD", help="what it is measured against (default HEAD)")
+    command.add_argument("-o", "--output", type=Path, metavar="FILE", help="write the diff here, not to stdout")
+    command.set_defaults(run=_variant)
 
     command = commands.add_parser("review", help="show a stage's notes and patches, run its tests")
     command.add_argument("stage", type=int, metavar="N")
