@@ -19,6 +19,13 @@ def poison_allocator(*shapes_and_dtypes, device="cuda"):
     del held
 
 
+def batched_rows(cnt, idx):
+    """rows[b][h][m] = the first cnt entries of the row, as a Python list (one host sync)."""
+    cnt, idx = cnt.tolist(), idx.tolist()
+    return [[[row[:c] for c, row in zip(cnt_h, idx_h)] for cnt_h, idx_h in zip(cnt_b, idx_b)]
+            for cnt_b, idx_b in zip(cnt, idx)]
+
+
 def max_err(a, b):
     """Max abs difference, with matching infinities counting as equal."""
     a, b = a.double(), b.double()

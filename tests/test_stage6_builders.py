@@ -19,6 +19,7 @@ import flash_attn_sparse as fas
 from flash_attn_sparse import SparseBlocks, SparseInputError
 from flash_attn_sparse.metadata import cdiv, pack_varlen_lists, validate_block_contents
 from flash_attn_sparse.reference import attention_ref, visibility_from_lists
+from helpers import batched_rows
 
 pytestmark = pytest.mark.stage6
 
@@ -26,13 +27,6 @@ FAST = settings(max_examples=40, deadline=None, suppress_health_check=[HealthChe
 
 
 # --- plain-Python views and references --------------------------------------------------------
-
-def batched_rows(cnt, idx):
-    """rows[b][h][m] = the first cnt entries of the row, as a Python list."""
-    cnt, idx = cnt.tolist(), idx.tolist()
-    return [[[row[:c] for c, row in zip(cnt_h, idx_h)] for cnt_h, idx_h in zip(cnt_b, idx_b)]
-            for cnt_b, idx_b in zip(cnt, idx)]
-
 
 def varlen_rows(cnt, idx, cu_m, cu_off):
     """rows[b][h][m] of the varlen layout, read through the offsets (n_b from their differences)."""

@@ -34,7 +34,7 @@ import flash_attn_sparse as fas
 from flash_attn_sparse import SparseBlocks
 from flash_attn_sparse.metadata import cdiv, validate_block_contents
 from flash_attn_sparse.reference import attention_ref, visibility_from_lists
-from helpers import LSE_TOLERANCE, assert_close_to_reference, max_err, poison_allocator, random_qkv
+from helpers import LSE_TOLERANCE, assert_close_to_reference, batched_rows, max_err, poison_allocator, random_qkv
 
 pytestmark = [pytest.mark.gpu, pytest.mark.stage6]
 
@@ -47,13 +47,6 @@ ROUNDING = {torch.bfloat16: 1e-3, torch.float16: 1.25e-4}
 
 
 # --- helpers ---------------------------------------------------------------------------------
-
-def batched_rows(cnt, idx):
-    """rows[b][h][m] = the first cnt entries of the row, as a Python list (one host sync)."""
-    cnt, idx = cnt.tolist(), idx.tolist()
-    return [[[row[:c] for c, row in zip(cnt_h, idx_h)] for cnt_h, idx_h in zip(cnt_b, idx_b)]
-            for cnt_b, idx_b in zip(cnt, idx)]
-
 
 def parity_lists(batch, table_heads, seqlen_q, seqlen_k, causal, rng):
     """full[b][hs][m], mask[b][hs][m] (mask None when not causal), shuffled.
@@ -230,6 +223,21 @@ def refill(generator, *tensors):
         t.copy_(torch.randn(t.shape, generator=generator, device=t.device, dtype=torch.float32))
 
 
+def replays_matching_eager(graph, step, captured, generator, *inputs):
+    """For two fresh draws of the inputs: replay the graph, then call step() eagerly; the lists
+    and (out, lse) of the replay must equal the eager call's bitwise. Yields after each check."""
+    static_lists, static_out, static_lse = captured
+    for seed in (1, 2):
+        generator.manual_seed(seed)
+        refill(generator, *inputs)
+        graph.replay()
+        torch.cuda.synchronize()
+        eager_lists, eager_out, eager_lse = step()
+        assert_same_lists(static_lists, eager_lists)
+        assert torch.equal(static_out, eager_out) and torch.equal(static_lse, eager_lse), "replay != eager call"
+        yield
+
+
 def assert_same_lists(got: SparseBlocks, want: SparseBlocks):
     for name, x, y in zip(("full_cnt", "full_idx", "mask_cnt", "mask_idx"), got.tensors(), want.tensors()):
         assert (x is None) == (y is None), name
@@ -287,17 +295,10 @@ def test_graph_builds_lists_and_runs_sparse_forward(builder, num_splits):
                                                           validate="cheap")
         return blocks, out, lse
 
-    graph, (static_blocks, static_out, static_lse) = capture(step)
+    graph, captured = capture(step)
+    static_blocks, static_out, static_lse = captured
     lists_per_replay = []
-    for seed in (1, 2):
-        g.manual_seed(seed)
-        refill(g, q, k, v, scores)
-        graph.replay()
-        torch.cuda.synchronize()
-        eager_blocks, eager_out, eager_lse = step()
-        assert_same_lists(static_blocks, eager_blocks)
-        assert torch.equal(static_out, eager_out) and torch.equal(static_lse, eager_lse), "replay != eager call"
-
+    for _ in replays_matching_eager(graph, step, captured, g, q, k, v, scores):
         validate_block_contents(static_blocks, causal=True, seqlens_q=[seqlen_q] * batch, seqlens_k=[seqlen_k] * batch)
         full = batched_rows(static_blocks.full_cnt, static_blocks.full_idx)
         mask = batched_rows(static_blocks.mask_cnt, static_blocks.mask_idx)
@@ -342,17 +343,10 @@ def test_graph_builds_missed_lists_and_runs_speculative_two_pass():
         out, lse = fas.flash_attn_speculative_sparse(q, k_spec, v_spec, k, v, missed, validate="cheap")
         return missed, out, lse
 
-    graph, (static_missed, static_out, static_lse) = capture(step)
+    graph, captured = capture(step)
+    static_missed, static_out, static_lse = captured
     lists_per_replay = []
-    for seed in (1, 2):
-        g.manual_seed(seed)
-        refill(g, q, k, v, scores)
-        graph.replay()
-        torch.cuda.synchronize()
-        eager_missed, eager_out, eager_lse = step()
-        assert_same_lists(static_missed, eager_missed)
-        assert torch.equal(static_out, eager_out) and torch.equal(static_lse, eager_lse), "replay != eager call"
-
+    for _ in replays_matching_eager(graph, step, captured, g, q, k, v, scores):
         missed = batched_rows(static_missed.full_cnt, static_missed.full_idx)
         lists_per_replay.append(missed)
         for b in range(batch):
