@@ -503,17 +503,21 @@ inline __device__ void compute_attn_1rowblock_sparse(const Params &params, const
     // fixed, as in upstream's dense kernel, instead of an address per row. Measured (ncu, dense
     // B1 Sq1 Sk128k, tests/RESULTS.md runs 18-19): the per-row path ran 46% more instructions
     // than upstream's kernel, 22% longer on the same grid; this path: 20% fewer instructions, 5%
-    // less time. Returns that first row, or -1 after filling `positions`.
-    auto tile_keys = [&](const int tile, int (&positions)[kRowsPerThread]) {
-        if (list.block_size >= kBlockN && (!Paged || (paged.page_shift >= 0 && paged.page_size >= kBlockN))) {
-            const int e = (tile * kBlockN) >> list.block_size_log2;
-            const int blk = e < list.total_cnt ? list.block(e) : -1;
-            const int start = (blk << list.block_size_log2) + ((tile * kBlockN) & (list.block_size - 1));
-            if (blk >= 0 && blk < list.num_blocks_k && start + kBlockN <= list.seqlen_k) {
-                if constexpr (!Paged) { return start; }
-                const int row = paged.resolve(start);
-                if (row >= 0) { return row; }
-            }
+    // less time. When tiles can be whole, a tile's block id is read before the matmul
+    // (tile_block) and used after it (tile_keys: the first row, or -1 after filling
+    // `positions`), so the load is in flight during the matmul; a branch on it right after the
+    // load would wait for it.
+    const bool whole_tiles = list.block_size >= kBlockN && (!Paged || (paged.page_shift >= 0 && paged.page_size >= kBlockN));
+    auto tile_block = [&](const int tile) {
+        const int e = (tile * kBlockN) >> list.block_size_log2;
+        return e < list.total_cnt ? list.block(e) : -1;
+    };
+    auto tile_keys = [&](const int tile, const int blk, int (&positions)[kRowsPerThread]) {
+        const int start = (blk << list.block_size_log2) + ((tile * kBlockN) & (list.block_size - 1));
+        if (blk >= 0 && blk < list.num_blocks_k && start + kBlockN <= list.seqlen_k) {
+            if constexpr (!Paged) { return start; }
+            const int row = paged.resolve(start);
+            if (row >= 0) { return row; }
         }
         tile_positions(tile, positions);
         return -1;
@@ -529,7 +533,8 @@ inline __device__ void compute_attn_1rowblock_sparse(const Params &params, const
     });
     int tile = tile_max - 1;
     int positions[kRowsPerThread];
-    int start = tile_keys(tile, positions);
+    int start = -1;
+    if (whole_tiles) { start = tile_keys(tile, tile_block(tile), positions); } else { tile_positions(tile, positions); }
     // Invalid K rows need no clearing: their scores are masked to -inf.
     copy_keys<Is_even_K, /*Clear_invalid_rows=*/false>(gmem_tiled_copy_QKV, tKgK, tKgK0, tKsK, tKVpKV, start, positions, params.k_row_stride);
     cute::cp_async_fence();
@@ -547,11 +552,19 @@ inline __device__ void compute_attn_1rowblock_sparse(const Params &params, const
         cute::cp_async_fence();
         // Look up the next tile's keys now so the list reads overlap the matmul.
         int next_positions[kRowsPerThread];
-        const int next_start = tile > tile_min ? tile_keys(tile - 1, next_positions) : -1;
+        int next_blk = -1;
+        if (tile > tile_min) {
+            if (whole_tiles) { next_blk = tile_block(tile - 1); } else { tile_positions(tile - 1, next_positions); }
+        }
 
         FLASH_NAMESPACE::gemm(acc_s, tSrQ, tSrK, tSsQ, tSsK, tiled_mma, smem_tiled_copy_Q, smem_tiled_copy_K,
                               smem_thr_copy_Q, smem_thr_copy_K);
-        const bool masked = list.needs_mask(tile * kBlockN, kBlockN, params.is_causal);
+        // A whole valid tile needs a mask only for the causal diagonal (a mask block); only row-path
+        // tiles need the list scan.
+        const bool masked = start >= 0
+            ? params.is_causal && ((tile * kBlockN) >> list.block_size_log2) < list.mask_cnt
+            : list.needs_mask(tile * kBlockN, kBlockN, params.is_causal);
+        const int next_start = tile > tile_min && whole_tiles ? tile_keys(tile - 1, next_blk, next_positions) : -1;
         if (masked) {
             apply_sparse_mask(acc_s, list, tile * kBlockN, params.is_causal, rows, row_idx_offset, kNWarps * 16, binfo.actual_seqlen_q);
         }
