@@ -22,7 +22,7 @@ from triton.testing import do_bench_cudagraph  # noqa: E402
 
 import flash_attn_sparse as fas  # noqa: E402
 
-LIST_LENGTHS = (0, 1, 2, 4, 8, 16, 32, 64)
+LIST_LENGTHS = (0, 1, 2, 4, 8, 16, 32, 64, 128, 256)
 SPLITS = (0, 1, 2, 4, 8)
 
 

@@ -1,11 +1,14 @@
 """Stage 5: the speculative two-pass, partials + combine, torch.compile, dense regression."""
 
 import random
+import subprocess
+import sys
 
 import pytest
 import torch
 
 import flash_attn_sparse as fas
+from flash_attn_sparse import ops
 from flash_attn_sparse.reference import attention_over_blocks, attention_ref, block_positions, combine_ref
 from helpers import assert_close_to_reference, max_err, poison_allocator, random_qkv
 
@@ -224,19 +227,47 @@ def test_dense_flash_attn_varlen_func_unchanged(head_dim, causal):
 
 def test_head_dim_without_an_even_kernel_is_exact_or_refused():
     """Head dim 112 runs the 128 kernel with its columns past 112 predicated off (full profile),
-    or is refused by a build without those kernels (the dev profile's
+    or is refused before C++ by a build without those kernels (the dev profile's
     FLASHATTENTION_DISABLE_UNEVEN_K), never computed past each row."""
-    from flash_attn_sparse.reference import attention_over_blocks
     g = torch.Generator(device="cuda").manual_seed(9)
     q, k, v = random_qkv(2, 16, 1000, 8, 2, 112, torch.bfloat16, generator=g)
     blocks = [6, 0, 3]
     table = torch.tensor(blocks, dtype=torch.int32, device="cuda")
-    try:
-        out, lse = fas.flash_attn_with_sparse_block_table(q, k, v, table, num_splits=2)
-    except RuntimeError as error:
-        assert "FLASHATTENTION_DISABLE_UNEVEN_K" in str(error)
+    head_dims, uneven = ops.compiled_head_dims()
+    if not uneven:
+        with pytest.raises(fas.SparseInputError, match="^q: this build .* runs head dims"):
+            fas.flash_attn_with_sparse_block_table(q, k, v, table, num_splits=2)
         return
+    out, lse = fas.flash_attn_with_sparse_block_table(q, k, v, table, num_splits=2)
     ref_out, ref_lse = attention_over_blocks(q, k, v, blocks, 128, dtype=torch.float32)
     low_out, _ = attention_over_blocks(q, k, v, blocks, 128, dtype=torch.bfloat16)
     assert max_err(out, ref_out) <= 2 * max_err(low_out, ref_out) + 1e-5
     assert max_err(lse, ref_lse) <= 1e-3
+
+
+def test_head_dims_the_build_lacks_are_refused_by_the_combine_too():
+    head_dims, uneven = ops.compiled_head_dims()
+    missing = [d for d in ops.HEAD_DIM_KERNELS if d not in head_dims]
+    if not missing:
+        pytest.skip("this build compiled every head dim")
+    d = missing[0]
+    partials = torch.zeros(2, 1, 1, 1, ops.head_dim_rounded(d), device="cuda")
+    with pytest.raises(fas.SparseInputError, match="^head_dim: this build"):
+        fas.flash_attn_combine(partials, torch.zeros(2, 1, 1, 1, device="cuda"), torch.bfloat16)
+
+
+def test_a_check_in_cpp_raises_runtime_error_not_a_crash():
+    """The C++ backstop behind the Python checks (a call straight to the extension) must raise,
+    not take the process down: run in a child process so that a crash fails only this test."""
+    script = """
+import torch, flash_attn_2_cuda
+q = torch.zeros(1, 1, 1, 64, dtype=torch.bfloat16, device="cuda")
+cnt = torch.zeros(1, 1, 1, dtype=torch.int32, device="cuda")
+try:  # k in float32: refused by mha_fwd_sparse's dtype check
+    flash_attn_2_cuda.sparse_fwd(q, q.float(), q, None, cnt, cnt.view(1, 1, 1, 1), None, None, None, None, None, None,
+                                 None, None, 1, 1, 128, 0, 1.0, False, 1, False, None, None, 0)
+except RuntimeError as error:
+    print("RuntimeError:", str(error).splitlines()[0])
+"""
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and "RuntimeError:" in done.stdout, (done.returncode, done.stdout, done.stderr[-2000:])

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 import flash_attn_sparse as fas
+from flash_attn_sparse import ops
 from flash_attn_sparse import SparseBlocks, SparseInputError
 from flash_attn_sparse.metadata import pack_varlen_lists
 
@@ -177,6 +178,24 @@ def test_bad_input_is_refused_naming_the_argument(case):
 
 def test_enough_distinct_bad_inputs():
     assert len(BAD_CALLS) >= 25
+
+
+DEV_BUILD = ((64, 128), False)  # what ops.compiled_head_dims() answers for the dev profile
+FULL_BUILD = ((32, 64, 96, 128, 192, 256), True)
+
+
+@pytest.mark.parametrize("head_dim,compiled,runs", [
+    (128, DEV_BUILD, True), (64, DEV_BUILD, True), (112, DEV_BUILD, False), (96, DEV_BUILD, False),
+    (32, DEV_BUILD, False), (256, DEV_BUILD, False), (112, FULL_BUILD, True), (40, FULL_BUILD, True),
+    (248, FULL_BUILD, True), (112, ((64,), True), False), (56, ((64,), True), True),
+])
+def test_head_dims_run_only_on_a_kernel_the_build_compiled(head_dim, compiled, runs):
+    """HEADDIM_SWITCH runs a head dim on the first kernel at least as wide, and only builds with
+    uneven head dims may run one narrower than its kernel."""
+    refusal = ops.head_dim_refusal(head_dim, compiled)
+    assert (refusal is None) == runs, refusal
+    if not runs:
+        assert f"got {head_dim}" in refusal
 
 
 def test_full_validation_from_the_environment(monkeypatch):

@@ -85,8 +85,8 @@ def _check_qkv(q: Tensor, k: Tensor, v: Tensor, varlen: bool, paged: bool = Fals
     if k.shape != v.shape:
         fail("v", f"must have the shape of k {tuple(k.shape)}, got {tuple(v.shape)}")
     head_dim, heads, heads_k = q.shape[-1], q.shape[-2], k.shape[-2]
-    if head_dim % 8 or head_dim > 256:
-        fail("q", f"head_dim must be a multiple of 8, at most 256, got {head_dim}")
+    if refusal := ops.head_dim_refusal(head_dim, check_build=q.is_cuda):
+        fail("q", refusal)
     if k.shape[-1] != head_dim:
         fail("k", f"head_dim must be q's {head_dim}, got {k.shape[-1]}")
     if heads % heads_k:
@@ -419,6 +419,8 @@ def flash_attn_combine(out_partials: Tensor, lse_partials: Tensor, out_dtype: to
     for name, t in (("out_partials", out_partials), ("lse_partials", lse_partials)):
         if t.device.type != "cuda":
             fail(name, f"must be on a CUDA device, got {t.device}")
+    if refusal := ops.head_dim_refusal(head_dim):
+        fail("head_dim", refusal)
     return ops.combine(out_partials.contiguous(), lse_partials.contiguous(), out_dtype, head_dim, None, 0)
 
 

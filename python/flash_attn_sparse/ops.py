@@ -4,6 +4,7 @@ torch.compile(fullgraph=True) traces calls to them.
 The kernels live in flash_attn_2_cuda (the patched FA-2 extension): `sparse_fwd` and `combine`.
 """
 
+import functools
 from typing import Optional, Tuple
 
 import torch
@@ -13,6 +14,34 @@ from torch import Tensor
 def _cuda_module():
     import flash_attn_2_cuda
     return flash_attn_2_cuda
+
+
+HEAD_DIM_KERNELS = (32, 64, 96, 128, 192, 256)  # HEADDIM_SWITCH's kernels; a head dim runs on the first >= it
+
+
+@functools.lru_cache(maxsize=None)
+def compiled_head_dims() -> Tuple[Tuple[int, ...], bool]:
+    """(head dims this build has kernels for, whether other multiples of 8 run on the next one)."""
+    head_dims, uneven = _cuda_module().sparse_head_dims()
+    return tuple(head_dims), bool(uneven)
+
+
+def head_dim_refusal(head_dim: int, compiled: Optional[Tuple[Tuple[int, ...], bool]] = None,
+                     check_build: bool = True) -> Optional[str]:
+    """Why head_dim cannot run (not a multiple of 8 up to 256, or not in this build), or None.
+    compiled: compiled_head_dims()'s answer (asked of the extension when None and check_build)."""
+    if head_dim % 8 or not 0 < head_dim <= 256:
+        return f"head_dim must be a multiple of 8, at most 256, got {head_dim}"
+    if not check_build:
+        return None
+    head_dims, uneven = compiled or compiled_head_dims()
+    kernel = next(d for d in HEAD_DIM_KERNELS if d >= head_dim)
+    if kernel in head_dims and (uneven or kernel == head_dim):
+        return None
+    runs = f"head dims {', '.join(map(str, head_dims))}"
+    if uneven:
+        runs += " and the multiples of 8 below each"
+    return f"this build (e.g. the dev profile, which narrows head dims) runs {runs}; got {head_dim}"
 
 
 def head_dim_rounded(head_dim: int) -> int:

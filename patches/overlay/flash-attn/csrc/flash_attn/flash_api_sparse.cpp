@@ -6,6 +6,7 @@
  * checks what the kernels rely on for memory safety and fills Flash_fwd_params.
  ******************************************************************************/
 
+#include <algorithm>
 #include <limits>
 
 #include <torch/python.h>
@@ -38,6 +39,34 @@ void set_params_fprop(Flash_fwd_params &params,
                       int window_size_left, int window_size_right, const float softcap,
                       bool seqlenq_ngroups_swapped, const bool unpadded_lse);
 
+// HEADDIM_SWITCH's head dims that this build compiled (see static_switch.h, patch 0001).
+std::tuple<std::vector<int64_t>, bool> sparse_head_dims() {
+    std::vector<int64_t> head_dims;
+#ifndef FLASHATTENTION_DISABLE_HDIM32
+    head_dims.push_back(32);
+#endif
+#ifndef FLASHATTENTION_DISABLE_HDIM64
+    head_dims.push_back(64);
+#endif
+#ifndef FLASHATTENTION_DISABLE_HDIM96
+    head_dims.push_back(96);
+#endif
+#ifndef FLASHATTENTION_DISABLE_HDIM128
+    head_dims.push_back(128);
+#endif
+#ifndef FLASHATTENTION_DISABLE_HDIM192
+    head_dims.push_back(192);
+#endif
+#ifndef FLASHATTENTION_DISABLE_HDIM256
+    head_dims.push_back(256);
+#endif
+#ifdef FLASHATTENTION_DISABLE_UNEVEN_K
+    return {head_dims, false};
+#else
+    return {head_dims, true};
+#endif
+}
+
 namespace {
 
 int round_multiple(int x, int m) { return (x + m - 1) / m * m; }
@@ -52,12 +81,13 @@ void check_int32_table(const at::Tensor &t, const char *name, const at::Tensor &
 
 // A build with FLASHATTENTION_DISABLE_UNEVEN_K (the dev profile) has only the kernels that read
 // and write whole rows of their head dimension: any other head dim would run past each row.
+// Python checks sparse_head_dims() first (a clear SparseInputError); this is the backstop.
 void check_head_dim_has_kernel(const int head_size) {
-#ifdef FLASHATTENTION_DISABLE_UNEVEN_K
-    TORCH_CHECK(head_size == 32 || head_size == 64 || head_size == 96 || head_size == 128 || head_size == 192 || head_size == 256,
+    const auto [head_dims, uneven] = sparse_head_dims();
+    const bool compiled = std::find(head_dims.begin(), head_dims.end(), head_size) != head_dims.end();
+    TORCH_CHECK(compiled || uneven,
                 "this build has no kernels for uneven head dimensions (FLASHATTENTION_DISABLE_UNEVEN_K): "
-                "the head dimension must be 32, 64, 96, 128, 192 or 256, got ", head_size);
-#endif
+                "the head dimension must be one this build compiled, got ", head_size);
 }
 
 void run_sparse(Flash_fwd_params &params, cudaStream_t stream, bool wide, bool split) {

@@ -6,6 +6,7 @@
 #pragma once
 
 #include <optional>
+#include <tuple>
 #include <vector>
 
 #include <ATen/ATen.h>
@@ -13,6 +14,10 @@
 #include "namespace_config.h"
 
 namespace FLASH_NAMESPACE {
+
+// (head dims with compiled kernels, whether other multiples of 8 run on the next larger one):
+// a build narrowed by the FLASHATTENTION_DISABLE_* macros (the dev profile) runs only some.
+std::tuple<std::vector<int64_t>, bool> sparse_head_dims();
 
 // Attention of q over the K/V blocks named by the lists, batched (q: b x seqlen_q x h x d) or
 // varlen (q: total_q x h x d with cu_seqlens_q). Returns {out, softmax_lse}, or, when out_partial
