@@ -11,7 +11,8 @@
 # (benchmarks/profile_decode.py, then ncu on the decode kernels unless PROFILE_NCU=0), variants
 # (each diff in $VARIANTS, an experiment over this commit's patched tree, built as a mutant
 # wheel, then its GPU tests and profile_decode: a same-run comparison with the profile step;
-# make one with `PYTHONPATH=python python -m forktools variant BRANCH -o .carry/variants/BRANCH.diff`),
+# make one with `PYTHONPATH=python python -m forktools variant BRANCH -o .carry/variants/BRANCH.diff`;
+# the branch's changed test files, copied into .carry/variants/BRANCH.tests/, replace main's for its tests),
 # ncu-dense (counters of the sparse kernel with every block listed beside upstream's dense kernel),
 # ncu-source (that kernel's per-SASS-instruction counters and stall samples, for the hot spots).
 #
@@ -142,7 +143,12 @@ for s in $STEPS; do
             rm -rf "/tmp/site-$name" && python3 -m pip install -q --no-deps --no-index --target "/tmp/site-$name" "$mutant"
             PYTHONPATH=/tmp/site-$name timeout 300 python3 benchmarks/profile_decode.py > "$OUT/profile-$name.txt" 2>&1
             note "variant $name profile: $(wc -l < "$OUT/profile-$name.txt") lines"
+            # The branch's own test files, if carried beside the diff (NAME.tests/), replace main's for this run.
+            if [ -d "${diff%.diff}.tests" ]; then
+                rm -rf /tmp/tests-main && cp -r tests /tmp/tests-main && cp "${diff%.diff}.tests"/* tests/
+            fi
             PYTHONPATH=/tmp/site-$name run_tests "variant-$name" tests -m gpu
+            [ -d /tmp/tests-main ] && rm -rf tests && mv /tmp/tests-main tests
         done ;;
     ncu-dense)  # the sparse kernel with every block listed vs upstream's dense one, same shape: counters side by side
         step ncu-dense
