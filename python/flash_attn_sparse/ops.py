@@ -20,10 +20,15 @@ HEAD_DIM_KERNELS = (32, 64, 96, 128, 192, 256)  # HEADDIM_SWITCH's kernels; a he
 
 
 @functools.lru_cache(maxsize=None)
-def compiled_head_dims() -> Tuple[Tuple[int, ...], bool]:
-    """(head dims this build has kernels for, whether other multiples of 8 run on the next one)."""
+def _ask_extension_for_head_dims() -> Tuple[Tuple[int, ...], bool]:
     head_dims, uneven = _cuda_module().sparse_head_dims()
     return tuple(head_dims), bool(uneven)
+
+
+@torch.compiler.assume_constant_result  # torch.compile cannot trace the pybind call; the answer is fixed per build
+def compiled_head_dims() -> Tuple[Tuple[int, ...], bool]:
+    """(head dims this build has kernels for, whether other multiples of 8 run on the next one)."""
+    return _ask_extension_for_head_dims()
 
 
 def head_dim_refusal(head_dim: int, compiled: Optional[Tuple[Tuple[int, ...], bool]] = None,
