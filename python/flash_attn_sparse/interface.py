@@ -35,8 +35,14 @@ def _num_sms(device_index: int) -> int:
     return _SM_COUNTS[device_index]
 
 
-def _tile_n(head_dim: int) -> int:
-    """Keys per tile of the split-capable (64-row) sparse kernel."""
+KERNEL_ROWS = 64  # query rows per CTA of the split-capable kernel
+DECODE_KERNEL_ROWS = 16  # ... or of its one-warp decode form, when a sequence's packed rows fit
+
+
+def _tile_n(head_dim: int, packed_rows: int) -> int:
+    """Keys per tile of the split-capable sparse kernel: its 64-row form, or its 16-row decode form."""
+    if packed_rows <= DECODE_KERNEL_ROWS:
+        return 128 if head_dim <= 128 else 64
     return 256 if head_dim <= 64 else (128 if head_dim <= 128 else 64)
 
 
@@ -63,12 +69,10 @@ def choose_num_splits(batch_heads_mblocks: int, num_sms: int, num_tiles: int, ma
     return 1
 
 
-KERNEL_ROWS = 64  # query rows per CTA of the split-capable kernel
-
-
-def _split_slots(q: Tensor) -> int:
-    """CTAs of the split-capable kernel resident at once: two 128-thread CTAs per SM, as upstream assumes."""
-    return 2 * _num_sms(q.device.index or 0)
+def _split_slots(q: Tensor, packed_rows: int) -> int:
+    """CTAs of the split-capable kernel resident at once: two 128-thread CTAs per SM, as upstream
+    assumes; three of the one-warp decode kernel (its shared memory: 68 KB at head dim 128)."""
+    return (3 if packed_rows <= DECODE_KERNEL_ROWS else 2) * _num_sms(q.device.index or 0)
 
 
 def _check_qkv(q: Tensor, k: Tensor, v: Tensor, varlen: bool, paged: bool = False) -> Tuple[Tensor, Tensor, Tensor]:
@@ -259,7 +263,8 @@ class _Call:
         """(CTAs per split, kernel tiles of the longest list) of the split-capable kernel."""
         group = self.q.shape[-2] // self.k.shape[-2] if self.pack_gqa else 1
         ctas = self.batch * (self.q.shape[-2] // group) * cdiv(self.max_seqlen_q * group, KERNEL_ROWS)
-        tiles = cdiv(self.blocks.max_list_length(self.max_seqlen_k) * self.blocks.block_size, _tile_n(self.q.shape[-1]))
+        tiles = cdiv(self.blocks.max_list_length(self.max_seqlen_k) * self.blocks.block_size,
+                     _tile_n(self.q.shape[-1], self.max_seqlen_q * group))
         return ctas, max(tiles, 1)
 
     def num_splits(self) -> int:
@@ -267,7 +272,8 @@ class _Call:
         if self.requested_splits:
             return self.requested_splits
         ctas, tiles = self.split_work()
-        return choose_num_splits(ctas, _split_slots(self.q), tiles)
+        group = self.q.shape[-2] // self.k.shape[-2] if self.pack_gqa else 1
+        return choose_num_splits(ctas, _split_slots(self.q, self.max_seqlen_q * group), tiles)
 
     def backend(self) -> Tuple[str, str]:
         """(backend, why): the requested one, or auto's choice. A requested "fa4" that cannot

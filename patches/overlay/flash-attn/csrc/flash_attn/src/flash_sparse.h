@@ -14,6 +14,8 @@ namespace FLASH_NAMESPACE {
 // the shape's rows.
 constexpr int kSparseWideBlockM = 128;
 constexpr int kSparseNarrowBlockM = 64;
+// Decode: calls whose packed query rows (seqlen_q x packed heads) fit one 16-row, one-warp tile.
+constexpr int kSparseDecodeBlockM = 16;
 
 template<typename T, int Headdim> void run_mha_fwd_sparse_(Flash_fwd_params &params, cudaStream_t stream);
 template<typename T, int Headdim> void run_mha_fwd_sparse_narrow_(Flash_fwd_params &params, cudaStream_t stream, bool split);
