@@ -86,12 +86,11 @@ void run_flash_sparse_fwd_split_or_not(Flash_fwd_params &params, cudaStream_t st
 }
 
 // Query tiles of 64 rows: the tile shape of the dense split-KV kernel. Used for splits and
-// partials, and for short queries or 64-row table tiles; 16-row tiles when every packed query
-// row of a sequence fits one (flash_attn_sparse.interface makes the same choice for the split
-// count).
+// partials, and for short queries or 64-row table tiles; 16-row tiles for decode over long lists
+// (sparse_decode_tile).
 template<typename T, int Headdim>
 void run_mha_fwd_sparse_narrow_(Flash_fwd_params &params, cudaStream_t stream, bool split) {
-    if (params.seqlen_q * params.sparse_pack_gqa <= kSparseDecodeBlockM) {
+    if (sparse_decode_tile(params)) {
         run_flash_sparse_fwd_split_or_not<Sparse_decode_kernel_traits<Headdim, T>>(params, stream, split);
     } else {
         run_flash_sparse_fwd_split_or_not<Flash_fwd_kernel_traits<Headdim, kSparseNarrowBlockM, Headdim <= 64 ? 256 : (Headdim <= 128 ? 128 : 64), 4, false, false, T>>(params, stream, split);
