@@ -94,18 +94,13 @@ def test_varlen_ragged_batch(block_size, causal, num_splits):
         assert_close_to_reference(out[rows].unsqueeze(0), lse[:, rows], *per_seq[i], visible, lse_layout="hs")
 
 
-@pytest.mark.parametrize("num_splits", [0, 1, 5], ids=["auto", "nosplit", "split"])
-@pytest.mark.parametrize("heads,heads_k", [(8, 2), (8, 1), (32, 8)], ids=["gqa4", "mqa", "gqa4-32"])
-@pytest.mark.parametrize("seqlen_q", [1, 7, 16, 33])
-def test_decode_shaped_causal_per_kv_head_lists(seqlen_q, heads, heads_k, num_splits):
-    """Few query rows per sequence (draft tokens): the query heads of a K/V head are packed into
-    one tile (GQA packing); the causal mask must follow each packed row's position."""
-    seed = seqlen_q * 100 + heads_k + num_splits
+def check_decode_causal(seqlen_q, heads, heads_k, num_splits, seqlen_k, density):
+    seed = seqlen_q * 100 + heads_k + num_splits + seqlen_k
     g = torch.Generator(device="cuda").manual_seed(seed)
     rng = random.Random(seed)
-    batch, seqlen_k, block_size = 3, 3000, 64
+    batch, block_size = 3, 64
     q, k, v = random_qkv(batch, seqlen_q, seqlen_k, heads, heads_k, 128, torch.bfloat16, generator=g)
-    per_batch = [causal_lists(seqlen_q, seqlen_k, heads_k, block_size, 128, 0.3, rng) for _ in range(batch)]
+    per_batch = [causal_lists(seqlen_q, seqlen_k, heads_k, block_size, 128, density, rng) for _ in range(batch)]
     blocks = SparseBlocks.from_lists([pb[0] for pb in per_batch], [pb[1] for pb in per_batch], block_size=block_size,
                                      device="cuda")
     poison_allocator(((batch, seqlen_q, heads, 128), torch.bfloat16), ((batch, heads, seqlen_q), torch.float32))
@@ -114,3 +109,34 @@ def test_decode_shaped_causal_per_kv_head_lists(seqlen_q, heads, heads_k, num_sp
         visible = visibility_from_lists(per_batch[b][0], per_batch[b][1], block_size, 128, seqlen_q, seqlen_k,
                                         heads, causal=True, device="cuda")
         assert_close_to_reference(out[b:b + 1], lse[b:b + 1], q[b:b + 1], k[b:b + 1], v[b:b + 1], visible)
+    return q, k, v, blocks
+
+
+@pytest.mark.parametrize("num_splits", [0, 1, 5], ids=["auto", "nosplit", "split"])
+@pytest.mark.parametrize("heads,heads_k", [(8, 2), (8, 1), (32, 8)], ids=["gqa4", "mqa", "gqa4-32"])
+@pytest.mark.parametrize("seqlen_q", [1, 7, 16, 33])
+def test_decode_shaped_causal_per_kv_head_lists(seqlen_q, heads, heads_k, num_splits):
+    """Few query rows per sequence (draft tokens): the query heads of a K/V head are packed into
+    one tile (GQA packing); the causal mask must follow each packed row's position."""
+    check_decode_causal(seqlen_q, heads, heads_k, num_splits, seqlen_k=3000, density=0.3)
+
+
+def sparse_kernel_names(fn):
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    return {e.name for e in prof.events() if "flash_fwd_sparse_kernel" in e.name}
+
+
+@pytest.mark.parametrize("num_splits", [0, 1, 5], ids=["auto", "nosplit", "split"])
+@pytest.mark.parametrize("heads,heads_k,seqlen_q", [(8, 2, 1), (8, 2, 4), (16, 1, 1), (8, 8, 16)])
+def test_decode_over_long_lists_runs_the_16_row_tile(seqlen_q, heads, heads_k, num_splits):
+    """Packed rows that fit 16 and lists of 16384+ keys take the one-warp 16-row tile (as the
+    split heuristic assumes); it must give the same results, and shorter lists must not take it."""
+    q, k, v, blocks = check_decode_causal(seqlen_q, heads, heads_k, num_splits, seqlen_k=20000, density=0.5)
+    call = lambda: fas.flash_attn_with_sparse_block_table(q, k, v, blocks, causal=True, num_splits=num_splits)
+    assert all("Sparse_decode_kernel_traits" in name for name in sparse_kernel_names(call))
+    short = SparseBlocks(blocks.full_cnt.clamp(max=8), blocks.full_idx[..., :8].contiguous(), block_size=64,
+                         q_block_size=blocks.q_block_size)
+    short_call = lambda: fas.flash_attn_with_sparse_block_table(q, k, v, short, num_splits=num_splits)
+    assert not any("Sparse_decode_kernel_traits" in name for name in sparse_kernel_names(short_call))

@@ -35,8 +35,20 @@ def _num_sms(device_index: int) -> int:
     return _SM_COUNTS[device_index]
 
 
-def _tile_n(head_dim: int) -> int:
-    """Keys per tile of the split-capable (64-row) sparse kernel."""
+KERNEL_ROWS = 64  # query rows per CTA of the split-capable kernel
+DECODE_KERNEL_ROWS = 16  # ... or of its one-warp decode form, for decode over long lists:
+DECODE_MIN_LIST_KEYS = 16384  # flash_sparse.h's sparse_decode_tile, which measured why
+
+
+def _decode_tile(packed_rows: int, max_list_keys: int) -> bool:
+    """Whether the kernel runs its 16-row decode tile (the same rule as sparse_decode_tile)."""
+    return packed_rows <= DECODE_KERNEL_ROWS and max_list_keys >= DECODE_MIN_LIST_KEYS
+
+
+def _tile_n(head_dim: int, decode_tile: bool) -> int:
+    """Keys per tile of the split-capable sparse kernel: its 64-row form, or its 16-row decode form."""
+    if decode_tile:
+        return 128 if head_dim <= 128 else 64
     return 256 if head_dim <= 64 else (128 if head_dim <= 128 else 64)
 
 
@@ -63,12 +75,10 @@ def choose_num_splits(batch_heads_mblocks: int, num_sms: int, num_tiles: int, ma
     return 1
 
 
-KERNEL_ROWS = 64  # query rows per CTA of the split-capable kernel
-
-
-def _split_slots(q: Tensor) -> int:
-    """CTAs of the split-capable kernel resident at once: two 128-thread CTAs per SM, as upstream assumes."""
-    return 2 * _num_sms(q.device.index or 0)
+def _split_slots(q: Tensor, decode_tile: bool) -> int:
+    """CTAs of the split-capable kernel resident at once: two 128-thread CTAs per SM, as upstream
+    assumes; three of the one-warp decode kernel (its shared memory: 68 KB at head dim 128)."""
+    return (3 if decode_tile else 2) * _num_sms(q.device.index or 0)
 
 
 def _check_qkv(q: Tensor, k: Tensor, v: Tensor, varlen: bool, paged: bool = False) -> Tuple[Tensor, Tensor, Tensor]:
@@ -255,11 +265,17 @@ class _Call:
                 self.max_seqlen_q, self.max_seqlen_k, b.block_size, b.resolved_q_block_size(self.max_seqlen_q),
                 self.scale, self.causal, num_splits, self.pack_gqa, self.page_table)
 
+    def decode_tile(self) -> bool:
+        group = self.q.shape[-2] // self.k.shape[-2] if self.pack_gqa else 1
+        max_list_keys = self.blocks.max_list_length(self.max_seqlen_k) * self.blocks.block_size
+        return _decode_tile(self.max_seqlen_q * group, max_list_keys)
+
     def split_work(self) -> Tuple[int, int]:
         """(CTAs per split, kernel tiles of the longest list) of the split-capable kernel."""
         group = self.q.shape[-2] // self.k.shape[-2] if self.pack_gqa else 1
         ctas = self.batch * (self.q.shape[-2] // group) * cdiv(self.max_seqlen_q * group, KERNEL_ROWS)
-        tiles = cdiv(self.blocks.max_list_length(self.max_seqlen_k) * self.blocks.block_size, _tile_n(self.q.shape[-1]))
+        tiles = cdiv(self.blocks.max_list_length(self.max_seqlen_k) * self.blocks.block_size,
+                     _tile_n(self.q.shape[-1], self.decode_tile()))
         return ctas, max(tiles, 1)
 
     def num_splits(self) -> int:
@@ -267,7 +283,7 @@ class _Call:
         if self.requested_splits:
             return self.requested_splits
         ctas, tiles = self.split_work()
-        return choose_num_splits(ctas, _split_slots(self.q), tiles)
+        return choose_num_splits(ctas, _split_slots(self.q, self.decode_tile()), tiles)
 
     def backend(self) -> Tuple[str, str]:
         """(backend, why): the requested one, or auto's choice. A requested "fa4" that cannot

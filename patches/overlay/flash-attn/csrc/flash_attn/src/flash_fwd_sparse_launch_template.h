@@ -59,15 +59,41 @@ void run_mha_fwd_sparse_(Flash_fwd_params &params, cudaStream_t stream) {
     run_flash_sparse_fwd<Flash_fwd_kernel_traits<Headdim, kSparseWideBlockM, Headdim <= 64 ? 128 : 64, 4, false, false, T>, /*Split=*/false>(params, stream);
 }
 
-// Query tiles of 64 rows: the tile shape of the dense split-KV kernel. Used for splits and
-// partials, and for short queries or 64-row table tiles.
-template<typename T, int Headdim>
-void run_mha_fwd_sparse_narrow_(Flash_fwd_params &params, cudaStream_t stream, bool split) {
-    using Traits = Flash_fwd_kernel_traits<Headdim, kSparseNarrowBlockM, Headdim <= 64 ? 256 : (Headdim <= 128 ? 128 : 64), 4, false, false, T>;
+// Query tiles of 16 rows, one warp: decode, where a 64-row tile would compute 4-16x the real
+// rows (e.g. 1 query position x 4 query heads of a K/V head). 128 keys per tile up to head dim
+// 128 (the 64-row kernel takes 256 at head dim 64; one warp would then hold 64 key rows'
+// addresses per thread in local memory), 64 above; three CTAs fit per SM instead of two.
+template<int kHeadDim, typename T>
+struct Sparse_decode_kernel_traits
+    : public Flash_fwd_kernel_traits<kHeadDim, kSparseDecodeBlockM, kHeadDim <= 128 ? 128 : 64, 1, false, false, T> {
+    using ElementAccum = float;
+    // Upstream's fp32 partial copy is laid out for 128 threads; this one for the warp: 4 floats
+    // per thread, up to 32 threads per row.
+    static constexpr int kOaccumThreadsPerRow = kHeadDim / 4 < 32 ? kHeadDim / 4 : 32;
+    using GmemLayoutAtomOaccum = Layout<Shape<Int<32 / kOaccumThreadsPerRow>, Int<kOaccumThreadsPerRow>>,
+                                        Stride<Int<kOaccumThreadsPerRow>, _1>>;
+    using GmemTiledCopyOaccum = decltype(make_tiled_copy(Copy_Atom<AutoVectorizingCopyWithAssumedAlignment<128>, ElementAccum>{},
+                                                         GmemLayoutAtomOaccum{}, Layout<Shape<_1, _4>>{}));
+};
+
+template<typename Traits>
+void run_flash_sparse_fwd_split_or_not(Flash_fwd_params &params, cudaStream_t stream, bool split) {
     if (split) {
         run_flash_sparse_fwd<Traits, /*Split=*/true>(params, stream);
     } else {
         run_flash_sparse_fwd<Traits, /*Split=*/false>(params, stream);
+    }
+}
+
+// Query tiles of 64 rows: the tile shape of the dense split-KV kernel. Used for splits and
+// partials, and for short queries or 64-row table tiles; 16-row tiles for decode over long lists
+// (sparse_decode_tile).
+template<typename T, int Headdim>
+void run_mha_fwd_sparse_narrow_(Flash_fwd_params &params, cudaStream_t stream, bool split) {
+    if (sparse_decode_tile(params)) {
+        run_flash_sparse_fwd_split_or_not<Sparse_decode_kernel_traits<Headdim, T>>(params, stream, split);
+    } else {
+        run_flash_sparse_fwd_split_or_not<Flash_fwd_kernel_traits<Headdim, kSparseNarrowBlockM, Headdim <= 64 ? 256 : (Headdim <= 128 ? 128 : 64), 4, false, false, T>>(params, stream, split);
     }
 }
 
