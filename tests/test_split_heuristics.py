@@ -2,7 +2,7 @@
 
 import pytest
 
-from flash_attn_sparse.interface import choose_num_splits
+from flash_attn_sparse.interface import _decode_tile, choose_num_splits
 
 pytestmark = pytest.mark.stage5
 
@@ -18,3 +18,15 @@ H200_SLOTS = 2 * 132  # two split-kernel CTAs per SM
 def test_choose_num_splits(ctas, tiles, expected):
     assert choose_num_splits(ctas, H200_SLOTS, tiles) == expected
 
+
+
+@pytest.mark.parametrize("packed_rows,list_keys,ctas,decode_tile", [
+    (4, 32768, 64, True),     # B8 Hk8 Sq1 x 4 heads, every block of 32k keys listed: 2M keys
+    (4, 131072, 8, True),     # B1 Hk8, every block of 128k keys listed: 1M keys
+    (4, 32768, 8, False),     # B1 Hk8 with 256-block lists: 0.26M keys, the 64-row tile measured faster
+    (4, 2048, 64, False),     # B8 Hk8 at 1/16 of 32k keys: short lists
+    (64, 32768, 64, False),   # Sq16 x 4 heads: 64 packed rows
+])
+def test_decode_tile_only_for_long_lists_and_much_work(packed_rows, list_keys, ctas, decode_tile):
+    """The rule flash_sparse.h's sparse_decode_tile applies, on the shapes run 21 measured."""
+    assert _decode_tile(packed_rows, list_keys, ctas) == decode_tile

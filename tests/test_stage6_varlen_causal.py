@@ -94,11 +94,11 @@ def test_varlen_ragged_batch(block_size, causal, num_splits):
         assert_close_to_reference(out[rows].unsqueeze(0), lse[:, rows], *per_seq[i], visible, lse_layout="hs")
 
 
-def check_decode_causal(seqlen_q, heads, heads_k, num_splits, seqlen_k, density):
+def check_decode_causal(seqlen_q, heads, heads_k, num_splits, seqlen_k, density, batch=3):
     seed = seqlen_q * 100 + heads_k + num_splits + seqlen_k
     g = torch.Generator(device="cuda").manual_seed(seed)
     rng = random.Random(seed)
-    batch, block_size = 3, 64
+    block_size = 64
     q, k, v = random_qkv(batch, seqlen_q, seqlen_k, heads, heads_k, 128, torch.bfloat16, generator=g)
     per_batch = [causal_lists(seqlen_q, seqlen_k, heads_k, block_size, 128, density, rng) for _ in range(batch)]
     blocks = SparseBlocks.from_lists([pb[0] for pb in per_batch], [pb[1] for pb in per_batch], block_size=block_size,
@@ -129,11 +129,12 @@ def sparse_kernel_names(fn):
 
 
 @pytest.mark.parametrize("num_splits", [0, 1, 5], ids=["auto", "nosplit", "split"])
-@pytest.mark.parametrize("heads,heads_k,seqlen_q", [(8, 2, 1), (8, 2, 4), (16, 1, 1), (8, 8, 16)])
+@pytest.mark.parametrize("heads,heads_k,seqlen_q", [(32, 8, 1), (8, 2, 4), (32, 2, 1), (8, 8, 16)])
 def test_decode_over_long_lists_runs_the_16_row_tile(seqlen_q, heads, heads_k, num_splits):
-    """Packed rows that fit 16 and lists of 16384+ keys take the one-warp 16-row tile (as the
-    split heuristic assumes); it must give the same results, and shorter lists must not take it."""
-    q, k, v, blocks = check_decode_causal(seqlen_q, heads, heads_k, num_splits, seqlen_k=20000, density=0.5)
+    """Packed rows that fit 16 and lists of 16384+ keys, 2^20+ keys in all, take the one-warp
+    16-row tile (as the split heuristic assumes); it must give the same results, and shorter
+    lists must not take it."""
+    q, k, v, blocks = check_decode_causal(seqlen_q, heads, heads_k, num_splits, seqlen_k=36000, density=0.95, batch=16)
     call = lambda: fas.flash_attn_with_sparse_block_table(q, k, v, blocks, causal=True, num_splits=num_splits)
     assert all("Sparse_decode_kernel_traits" in name for name in sparse_kernel_names(call))
     short = SparseBlocks(blocks.full_cnt.clamp(max=8), blocks.full_idx[..., :8].contiguous(), block_size=64,

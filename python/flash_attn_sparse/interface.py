@@ -37,12 +37,14 @@ def _num_sms(device_index: int) -> int:
 
 KERNEL_ROWS = 64  # query rows per CTA of the split-capable kernel
 DECODE_KERNEL_ROWS = 16  # ... or of its one-warp decode form, for decode over long lists:
-DECODE_MIN_LIST_KEYS = 16384  # flash_sparse.h's sparse_decode_tile, which measured why
+DECODE_MIN_LIST_KEYS = 16384  # flash_sparse.h's sparse_decode_tile, which says what was measured
+DECODE_MIN_TOTAL_KEYS = 1 << 20
 
 
-def _decode_tile(packed_rows: int, max_list_keys: int) -> bool:
+def _decode_tile(packed_rows: int, max_list_keys: int, ctas: int) -> bool:
     """Whether the kernel runs its 16-row decode tile (the same rule as sparse_decode_tile)."""
-    return packed_rows <= DECODE_KERNEL_ROWS and max_list_keys >= DECODE_MIN_LIST_KEYS
+    return (packed_rows <= DECODE_KERNEL_ROWS and max_list_keys >= DECODE_MIN_LIST_KEYS
+            and ctas * max_list_keys >= DECODE_MIN_TOTAL_KEYS)
 
 
 def _tile_n(head_dim: int, decode_tile: bool) -> int:
@@ -268,7 +270,7 @@ class _Call:
     def decode_tile(self) -> bool:
         group = self.q.shape[-2] // self.k.shape[-2] if self.pack_gqa else 1
         max_list_keys = self.blocks.max_list_length(self.max_seqlen_k) * self.blocks.block_size
-        return _decode_tile(self.max_seqlen_q * group, max_list_keys)
+        return _decode_tile(self.max_seqlen_q * group, max_list_keys, self.batch * (self.q.shape[-2] // group))
 
     def split_work(self) -> Tuple[int, int]:
         """(CTAs per split, kernel tiles of the longest list) of the split-capable kernel."""

@@ -15,14 +15,18 @@ namespace FLASH_NAMESPACE {
 constexpr int kSparseWideBlockM = 128;
 constexpr int kSparseNarrowBlockM = 64;
 // Decode: calls whose packed query rows (seqlen_q x packed heads) fit one 16-row, one-warp tile
-// take it when their longest list holds at least kSparseDecodeMinListKeys keys. Run 20 (H200,
-// d128, 4 packed rows) measured that tile 10-12% faster than the 64-row one with every block of
-// 32k and 128k keys listed, and 5-27% slower at 2k-8k listed keys.
+// take it when their longest list holds at least kSparseDecodeMinListKeys keys and all lists
+// together (one per CTA of a split) at least kSparseDecodeMinTotalKeys. The one-warp CTA streams
+// a tile more slowly than the 4-warp one; it wins only when the work keeps its three CTAs per SM
+// busy. Run 21 (H200, d128, 4 packed rows, auto splits): 8-9% faster with every block of B8
+// Sk32k and B1 Sk128k listed (2M and 1M keys), even at B8 with 128-block lists (1M), 7-17%
+// slower at B1 with 128-256 (0.26M keys), 0-27% slower with lists of 2k-8k keys.
 constexpr int kSparseDecodeBlockM = 16;
-constexpr int kSparseDecodeMinListKeys = 16384;
+constexpr long kSparseDecodeMinListKeys = 16384;
+constexpr long kSparseDecodeMinTotalKeys = 1L << 20;
 
 // The longest list is bounded from shapes, as flash_attn_sparse.metadata.max_list_length does;
-// flash_attn_sparse.interface makes the same choice when it picks the split count.
+// flash_attn_sparse.interface._decode_tile makes the same choice when it picks the split count.
 inline bool sparse_decode_tile(const Flash_fwd_params &params) {
     if (params.seqlen_q * params.sparse_pack_gqa > kSparseDecodeBlockM) { return false; }
     const long n_blocks = (long(params.seqlen_k) + params.sparse_block_size - 1) / params.sparse_block_size;
@@ -31,7 +35,9 @@ inline bool sparse_decode_tile(const Flash_fwd_params &params) {
         const long per_list = long(params.sparse_idx_capacity) * (params.sparse_mask_idx != nullptr ? 2 : 1);
         listed = per_list < n_blocks ? per_list : n_blocks;
     }
-    return listed * params.sparse_block_size >= kSparseDecodeMinListKeys;
+    const long list_keys = listed * params.sparse_block_size;
+    const long ctas = long(params.b) * (params.h / params.sparse_pack_gqa);
+    return list_keys >= kSparseDecodeMinListKeys && ctas * list_keys >= kSparseDecodeMinTotalKeys;
 }
 
 template<typename T, int Headdim> void run_mha_fwd_sparse_(Flash_fwd_params &params, cudaStream_t stream);
