@@ -2,7 +2,8 @@
 
 Runs memcheck, racecheck and initcheck, each over this file's --cases: adversarial valid calls
 (lists that are empty, one block, the tail block only, every block, as long as the row) of the
-non-split, split, GQA-packed, paged, varlen and partials + combine paths, small enough for the tools.
+non-split, split, GQA-packed, paged, varlen, decode-tile and partials + combine paths, small enough
+for the tools.
 Prints one summary line per tool and exits non-zero if any reports an error.
 """
 
@@ -67,6 +68,13 @@ def cases():
     bad_table[0, 0], bad_table[1, 2] = k_cache.shape[0] + 5, 2 ** 31 - 1
     fas.flash_attn_with_sparse_block_table(q, k_cache, v_cache, blocks, causal=True, seqused_k=seqused_k, page_table=bad_table)
     print("paged: ok", flush=True)
+    # Decode over long lists: the one-warp 16-row tile (1 query x 4 heads per K/V head, 2^20+
+    # listed keys in all), every block in reverse with the partial tail block, split and not.
+    q1, k1, v1 = randn(4, 1, 32, dim), randn(4, 33000, 8, dim), randn(4, 33000, 8, dim)
+    every = torch.arange(-(-33000 // 128) - 1, -1, -1, dtype=torch.int32, device="cuda")
+    for num_splits in (0, 1, 3):
+        fas.flash_attn_with_sparse_block_table(q1, k1, v1, every, num_splits=num_splits)
+    print("decode tile: ok", flush=True)
     parts = fas.flash_attn_sparse_partials(q, k, v, [torch.tensor(t, dtype=torch.int32, device="cuda") for t in ([1, 2], [], [7])], block_size=block)
     fas.flash_attn_combine(*parts)
     print("partials + combine: ok", flush=True)
