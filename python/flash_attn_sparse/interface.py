@@ -97,7 +97,7 @@ def _check_qkv(q: Tensor, k: Tensor, v: Tensor, varlen: bool, paged: bool = Fals
     if k.shape != v.shape:
         fail("v", f"must have the shape of k {tuple(k.shape)}, got {tuple(v.shape)}")
     head_dim, heads, heads_k = q.shape[-1], q.shape[-2], k.shape[-2]
-    if refusal := ops.head_dim_refusal(head_dim, check_build=q.is_cuda):
+    if refusal := ops.head_dim_refusal(head_dim, check_build=False):  # the FA-2 build's head dims: op_args
         fail("q", refusal)
     if k.shape[-1] != head_dim:
         fail("k", f"head_dim must be q's {head_dim}, got {k.shape[-1]}")
@@ -261,6 +261,9 @@ class _Call:
                 and q_block % (KERNEL_ROWS // group) == 0 and self.max_seqlen_q < KERNEL_ROWS)
 
     def op_args(self, num_splits: int):
+        """The FA-2 kernels' arguments; refuses a head dim this build did not compile."""
+        if refusal := ops.head_dim_refusal(self.q.shape[-1]):
+            fail("q", refusal)
         b = self.blocks
         return (self.q, self.k, self.v, b.full_cnt, b.full_idx, b.mask_cnt, b.mask_idx,
                 self.cu_seqlens_q, self.cu_seqlens_k, self.seqused_k, b.cu_total_m_blocks, b.cu_block_idx_offsets,
