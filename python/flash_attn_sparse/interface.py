@@ -270,14 +270,19 @@ class _Call:
                 self.max_seqlen_q, self.max_seqlen_k, b.block_size, b.resolved_q_block_size(self.max_seqlen_q),
                 self.scale, self.causal, num_splits, self.pack_gqa, self.page_table)
 
+    @property
+    def packed_heads(self) -> int:
+        """Query heads per tile: the group of a K/V head when packing, else 1."""
+        return self.q.shape[-2] // self.k.shape[-2] if self.pack_gqa else 1
+
     def decode_tile(self) -> bool:
-        group = self.q.shape[-2] // self.k.shape[-2] if self.pack_gqa else 1
+        group = self.packed_heads
         max_list_keys = self.blocks.max_list_length(self.max_seqlen_k) * self.blocks.block_size
         return _decode_tile(self.max_seqlen_q * group, max_list_keys, self.batch * (self.q.shape[-2] // group))
 
     def split_work(self) -> Tuple[int, int]:
         """(CTAs per split, kernel tiles of the longest list) of the split-capable kernel."""
-        group = self.q.shape[-2] // self.k.shape[-2] if self.pack_gqa else 1
+        group = self.packed_heads
         ctas = self.batch * (self.q.shape[-2] // group) * cdiv(self.max_seqlen_q * group, KERNEL_ROWS)
         tiles = cdiv(self.blocks.max_list_length(self.max_seqlen_k) * self.blocks.block_size,
                      _tile_n(self.q.shape[-1], self.decode_tile()))
