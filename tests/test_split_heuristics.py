@@ -1,7 +1,11 @@
 """Split-count choices of the FA-2 path (pure functions, CPU)."""
 
+import re
+from pathlib import Path
+
 import pytest
 
+from flash_attn_sparse import interface
 from flash_attn_sparse.interface import _decode_tile, choose_num_splits
 
 pytestmark = pytest.mark.stage5
@@ -30,3 +34,18 @@ def test_choose_num_splits(ctas, tiles, expected):
 def test_decode_tile_only_for_long_lists_and_much_work(packed_rows, list_keys, ctas, decode_tile):
     """The rule flash_sparse.h's sparse_decode_tile applies, on the shapes run 21 measured."""
     assert _decode_tile(packed_rows, list_keys, ctas) == decode_tile
+
+
+def c_int(text):
+    """A C++ integer constant expression of this header's forms: 16, 16384, 1L << 20."""
+    left, _, shift = text.replace("L", "").partition("<<")
+    return int(left) << int(shift or 0)
+
+
+def test_decode_tile_constants_match_the_kernel_rule():
+    """The split heuristic assumes the tile flash_sparse.h's sparse_decode_tile picks: same limits."""
+    header = (Path(__file__).parents[1] / "patches/overlay/flash-attn/csrc/flash_attn/src/flash_sparse.h").read_text()
+    constants = {name: c_int(value) for name, value in re.findall(r"constexpr (?:int|long) (kSparseDecode\w+) = ([^;]+);", header)}
+    assert constants == {"kSparseDecodeBlockM": interface.DECODE_KERNEL_ROWS,
+                         "kSparseDecodeMinListKeys": interface.DECODE_MIN_LIST_KEYS,
+                         "kSparseDecodeMinTotalKeys": interface.DECODE_MIN_TOTAL_KEYS}
