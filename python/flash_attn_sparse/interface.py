@@ -270,30 +270,22 @@ class _Call:
                 self.max_seqlen_q, self.max_seqlen_k, b.block_size, b.resolved_q_block_size(self.max_seqlen_q),
                 self.scale, self.causal, num_splits, self.pack_gqa, self.page_table)
 
-    @property
-    def packed_heads(self) -> int:
-        """Query heads per tile: the group of a K/V head when packing, else 1."""
-        return self.q.shape[-2] // self.k.shape[-2] if self.pack_gqa else 1
-
-    def decode_tile(self) -> bool:
-        group = self.packed_heads
+    def split_work(self) -> Tuple[int, int, int]:
+        """(CTAs per split, CTAs resident at once, kernel tiles of the longest list) of the
+        split-capable kernel, in the form it runs: 64-row tiles or the 16-row decode tile."""
+        group = self.q.shape[-2] // self.k.shape[-2] if self.pack_gqa else 1
+        tile_heads = self.batch * (self.q.shape[-2] // group)
         max_list_keys = self.blocks.max_list_length(self.max_seqlen_k) * self.blocks.block_size
-        return _decode_tile(self.max_seqlen_q * group, max_list_keys, self.batch * (self.q.shape[-2] // group))
-
-    def split_work(self) -> Tuple[int, int]:
-        """(CTAs per split, kernel tiles of the longest list) of the split-capable kernel."""
-        group = self.packed_heads
-        ctas = self.batch * (self.q.shape[-2] // group) * cdiv(self.max_seqlen_q * group, KERNEL_ROWS)
-        tiles = cdiv(self.blocks.max_list_length(self.max_seqlen_k) * self.blocks.block_size,
-                     _tile_n(self.q.shape[-1], self.decode_tile()))
-        return ctas, max(tiles, 1)
+        decode_tile = _decode_tile(self.max_seqlen_q * group, max_list_keys, tile_heads)
+        ctas = tile_heads * cdiv(self.max_seqlen_q * group, KERNEL_ROWS)
+        tiles = cdiv(max_list_keys, _tile_n(self.q.shape[-1], decode_tile))
+        return ctas, _split_slots(self.q, decode_tile), max(tiles, 1)
 
     def num_splits(self) -> int:
         """The requested split count, or the heuristic's choice for 0."""
         if self.requested_splits:
             return self.requested_splits
-        ctas, tiles = self.split_work()
-        return choose_num_splits(ctas, _split_slots(self.q, self.decode_tile()), tiles)
+        return choose_num_splits(*self.split_work())
 
     def backend(self) -> Tuple[str, str]:
         """(backend, why): the requested one, or auto's choice. A requested "fa4" that cannot
