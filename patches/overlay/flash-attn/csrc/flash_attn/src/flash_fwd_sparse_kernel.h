@@ -263,12 +263,28 @@ __forceinline__ __device__ void copy_keys(TiledCopy tiled_copy, Tensor<Engine0, 
 }
 
 // Sets to -inf the scores of columns that are not keys, and (causal) those of mask-block keys
-// after a row's diagonal. acc_s is (MMA=4, MMA_M, MMA_N); list rows [v0, v0 + kBlockN).
+// after a row's diagonal. acc_s is (MMA=4, MMA_M, MMA_N); list rows [v0, v0 + n). When the tile
+// lies in one logical block, one list read serves every column (a read per column made masked
+// tiles, e.g. the causal diagonal of a speculative pass, cost several unmasked ones), and each
+// row's causal limit is computed once, not per column.
 template <typename Engine, typename Layout>
 __forceinline__ __device__ void apply_sparse_mask(Tensor<Engine, Layout> &acc_s, const SparseTileList &list,
-                                                  const int v0, const bool is_causal, const SparseTileRows &rows,
+                                                  const int v0, const int n, const bool is_causal, const SparseTileRows &rows,
                                                   const int row_idx_offset, const int warp_row_stride, const int seqlen_q) {
     Tensor tensor = make_tensor(acc_s.data(), FLASH_NAMESPACE::convert_layout_acc_rowcol(acc_s.layout()));
+    constexpr int kRowGroups = decltype(size<0, 1>(tensor))::value;
+    constexpr int kRowsPerGroup = decltype(size<0, 0>(tensor))::value;
+    int last_visible[kRowGroups][kRowsPerGroup];  // bottom-right aligned causal mask, as in FlashAttention
+    #pragma unroll
+    for (int mi = 0; mi < kRowGroups; ++mi) {
+        #pragma unroll
+        for (int i = 0; i < kRowsPerGroup; ++i) {
+            last_visible[mi][i] = rows.position(row_idx_offset + mi * warp_row_stride + i * 8) + list.seqlen_k - seqlen_q;
+        }
+    }
+    const int e0 = v0 >> list.block_size_log2;
+    const bool one_block = e0 == ((v0 + n - 1) >> list.block_size_log2);
+    const int blk0 = one_block && e0 < list.total_cnt ? list.block(e0) : -1;
     const int lane_id = threadIdx.x % 32;
     const int col_offset = v0 + (lane_id % 4) * 2;
     #pragma unroll
@@ -276,15 +292,13 @@ __forceinline__ __device__ void apply_sparse_mask(Tensor<Engine, Layout> &acc_s,
         #pragma unroll
         for (int j = 0; j < size<1, 0>(tensor); ++j) {
             const int v = col_offset + nj * 8 + j;
-            const int pos = list.position(v);
+            const int pos = one_block ? list.position_in_block(v, blk0) : list.position(v);
             const bool causal_col = is_causal && (v >> list.block_size_log2) < list.mask_cnt;
             #pragma unroll
-            for (int mi = 0; mi < size<0, 1>(tensor); ++mi) {
+            for (int mi = 0; mi < kRowGroups; ++mi) {
                 #pragma unroll
-                for (int i = 0; i < size<0, 0>(tensor); ++i) {
-                    const int row_position = rows.position(row_idx_offset + mi * warp_row_stride + i * 8);
-                    // Bottom-right aligned causal mask, as in FlashAttention.
-                    const bool hidden = pos < 0 || (causal_col && pos > row_position + list.seqlen_k - seqlen_q);
+                for (int i = 0; i < kRowsPerGroup; ++i) {
+                    const bool hidden = pos < 0 || (causal_col && pos > last_visible[mi][i]);
                     if (hidden) { tensor(make_coord(i, mi), make_coord(j, nj)) = -INFINITY; }
                 }
             }
@@ -566,7 +580,7 @@ inline __device__ void compute_attn_1rowblock_sparse(const Params &params, const
             : list.needs_mask(tile * kBlockN, kBlockN, params.is_causal);
         const int next_start = tile > tile_min && whole_tiles ? tile_keys(tile - 1, next_blk, next_positions) : -1;
         if (masked) {
-            apply_sparse_mask(acc_s, list, tile * kBlockN, params.is_causal, rows, row_idx_offset, kNWarps * 16, binfo.actual_seqlen_q);
+            apply_sparse_mask(acc_s, list, tile * kBlockN, kBlockN, params.is_causal, rows, row_idx_offset, kNWarps * 16, binfo.actual_seqlen_q);
         }
 
         FLASH_NAMESPACE::cp_async_wait<0>();
