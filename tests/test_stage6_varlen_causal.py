@@ -59,6 +59,27 @@ def test_batched_causal_mask_blocks(q_block_size, block_size, table_heads, num_s
         assert_close_to_reference(out[b:b + 1], lse[b:b + 1], q[b:b + 1], k[b:b + 1], v[b:b + 1], visible)
 
 
+@pytest.mark.parametrize("num_splits", [1, 3], ids=["nosplit", "split"])
+@pytest.mark.parametrize("block_size", [128, 256])
+@pytest.mark.parametrize("seqlen_q", [1, 16, 130, 200])
+def test_mask_blocks_on_both_sides_of_the_diagonal(seqlen_q, block_size, num_splits):
+    """Every block a causal "mask" block, permuted: the kernel masks only the tiles that cross
+    the diagonal of their first row and runs the others unmasked. seqlen_q 130 puts the first
+    row's last visible key one before the last key of a 128-key block, so skipping the mask one
+    key too early shows; block size 256 makes a kernel tile half a block."""
+    g = torch.Generator(device="cuda").manual_seed(seqlen_q + block_size + num_splits)
+    seqlen_k, heads, heads_k = 5120, 8, 2
+    q, k, v = random_qkv(2, seqlen_q, seqlen_k, heads, heads_k, 128, torch.bfloat16, generator=g)
+    order = list(range(seqlen_k // block_size))
+    random.Random(seqlen_q).shuffle(order)
+    blocks = SparseBlocks.from_lists([[[[]]] * heads_k] * 2, [[[order]] * heads_k] * 2, block_size=block_size, device="cuda")
+    poison_allocator(((2, seqlen_q, heads, 128), torch.bfloat16), ((2, heads, seqlen_q), torch.float32))
+    out, lse = fas.flash_attn_with_sparse_block_table(q, k, v, blocks, causal=True, num_splits=num_splits, backend="fa2")
+    rows, cols = torch.arange(seqlen_q, device="cuda"), torch.arange(seqlen_k, device="cuda")
+    visible = cols[None, :] <= rows[:, None] + seqlen_k - seqlen_q
+    assert_close_to_reference(out, lse, q, k, v, visible)
+
+
 @pytest.mark.parametrize("num_splits", [1, 4], ids=["nosplit", "split"])
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("block_size", [64, 128])

@@ -545,10 +545,27 @@ inline __device__ void compute_attn_1rowblock_sparse(const Params &params, const
         const int r = get<0>(tQcQ(0, m, 0));
         return rows.valid(r) ? int64_t(rows.position(r)) * params.q_row_stride + int64_t(rows.head(r)) * params.q_head_stride : int64_t(-1);
     });
+    // A whole tile of a mask block needs the causal mask only if one of its keys lies after the
+    // diagonal of the tile's first (lowest-position) row; the other mask-block tiles are fully
+    // visible and take the unmasked path, as upstream masks only its diagonal tiles. (The
+    // speculative forms list several mask blocks of which one holds the diagonal.)
+    const int first_row_last_visible = rows.position(0) + list.seqlen_k - binfo.actual_seqlen_q;
+    auto tile_crosses_diagonal = [&](const int tile, const int blk) {
+        const int e = (tile * kBlockN) >> list.block_size_log2;
+        const int last_key = (blk << list.block_size_log2) + ((tile * kBlockN) & (list.block_size - 1)) + kBlockN - 1;
+        return params.is_causal && e < list.mask_cnt && last_key > first_row_last_visible;
+    };
     int tile = tile_max - 1;
     int positions[kRowsPerThread];
     int start = -1;
-    if (whole_tiles) { start = tile_keys(tile, tile_block(tile), positions); } else { tile_positions(tile, positions); }
+    bool crosses_diagonal = false;  // of the current tile, when whole (start >= 0)
+    if (whole_tiles) {
+        const int blk = tile_block(tile);
+        start = tile_keys(tile, blk, positions);
+        crosses_diagonal = tile_crosses_diagonal(tile, blk);
+    } else {
+        tile_positions(tile, positions);
+    }
     // Invalid K rows need no clearing: their scores are masked to -inf.
     copy_keys<Is_even_K, /*Clear_invalid_rows=*/false>(gmem_tiled_copy_QKV, tKgK, tKgK0, tKsK, tKVpKV, start, positions, params.k_row_stride);
     cute::cp_async_fence();
@@ -573,11 +590,9 @@ inline __device__ void compute_attn_1rowblock_sparse(const Params &params, const
 
         FLASH_NAMESPACE::gemm(acc_s, tSrQ, tSrK, tSsQ, tSsK, tiled_mma, smem_tiled_copy_Q, smem_tiled_copy_K,
                               smem_thr_copy_Q, smem_thr_copy_K);
-        // A whole valid tile needs a mask only for the causal diagonal (a mask block); only row-path
+        // A whole valid tile needs a mask only where it crosses the causal diagonal; only row-path
         // tiles need the list scan.
-        const bool masked = start >= 0
-            ? params.is_causal && ((tile * kBlockN) >> list.block_size_log2) < list.mask_cnt
-            : list.needs_mask(tile * kBlockN, kBlockN, params.is_causal);
+        const bool masked = start >= 0 ? crosses_diagonal : list.needs_mask(tile * kBlockN, kBlockN, params.is_causal);
         const int next_start = tile > tile_min && whole_tiles ? tile_keys(tile - 1, next_blk, next_positions) : -1;
         if (masked) {
             apply_sparse_mask(acc_s, list, tile * kBlockN, kBlockN, params.is_causal, rows, row_idx_offset, kNWarps * 16, binfo.actual_seqlen_q);
@@ -590,6 +605,7 @@ inline __device__ void compute_attn_1rowblock_sparse(const Params &params, const
             // The fence stays inside the branch, as upstream's: the wait<0> above counts on it.
             cute::cp_async_fence();
             start = next_start;
+            crosses_diagonal = next_start >= 0 && tile_crosses_diagonal(tile - 1, next_blk);
             if (next_start < 0) {
                 #pragma unroll
                 for (int m = 0; m < kRowsPerThread; ++m) { positions[m] = next_positions[m]; }
