@@ -54,3 +54,11 @@ def assert_close_to_reference(out, lse, q, k, v, visible, softmax_scale=None, ls
     lse_err = max_err(lse, ref_lse)
     assert lse_err <= LSE_TOLERANCE, f"LSE error {lse_err:.3e} > {LSE_TOLERANCE}"
     return err, low_err, lse_err
+
+
+def sparse_kernel_launches(fn):
+    """The names of the sparse forward kernels fn launches, one entry per launch."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    return [e.name for e in prof.events() if "flash_fwd_sparse_kernel" in e.name]

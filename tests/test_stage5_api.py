@@ -10,7 +10,7 @@ import torch
 import flash_attn_sparse as fas
 from flash_attn_sparse import ops
 from flash_attn_sparse.reference import attention_over_blocks, attention_ref, block_positions, combine_ref
-from helpers import assert_close_to_reference, max_err, poison_allocator, random_qkv
+from helpers import assert_close_to_reference, max_err, poison_allocator, random_qkv, sparse_kernel_launches
 
 pytestmark = [pytest.mark.stage5, pytest.mark.gpu]
 
@@ -68,6 +68,25 @@ def test_speculative_edge_missed_sets(missed_blocks):
     poison_allocator(((3, seqlen_q, 8, 128), torch.bfloat16), ((3, 8, seqlen_q), torch.float32))
     out, lse = fas.flash_attn_speculative_sparse(q, k_spec, v_spec, k, v, table)
     assert_close_to_reference(out, lse, q, *reference)
+
+
+@pytest.mark.parametrize("layout", ["like_k", "other_strides", "tile_above_block"])
+def test_speculative_runs_as_one_launch_where_the_kernel_allows(layout):
+    """k_spec laid out like k: both passes in one kernel launch. k_spec with other row and head
+    strides, or blocks smaller than the kernel tile (head dim 64 takes 256-key tiles): the two
+    passes. The same results either way."""
+    head_dim = 64 if layout == "tile_above_block" else 128
+    g = torch.Generator(device="cuda").manual_seed(head_dim)
+    block_size, seqlen_k, seqlen_q = 128, 3000, 16
+    q, k, v = random_qkv(2, seqlen_q, seqlen_k, 8, 2, head_dim, torch.bfloat16, generator=g)
+    spec, missed = missed_and_spec(-(-seqlen_k // block_size), 2, random.Random(7))
+    k_spec, v_spec, table, reference = gather_speculative(q, k, v, spec, missed, block_size)
+    if layout == "other_strides":
+        k_spec, v_spec = (torch.cat([t, t], dim=-1)[..., :head_dim] for t in (k_spec, v_spec))
+    results = []
+    launches = sparse_kernel_launches(lambda: results.append(fas.flash_attn_speculative_sparse(q, k_spec, v_spec, k, v, table)))
+    assert len(launches) == (1 if layout == "like_k" else 2)
+    assert_close_to_reference(*results[0], q, *reference)
 
 
 def test_speculative_with_per_query_head_missed_lists():
@@ -265,7 +284,7 @@ q = torch.zeros(1, 1, 1, 64, dtype=torch.bfloat16, device="cuda")
 cnt = torch.zeros(1, 1, 1, dtype=torch.int32, device="cuda")
 try:  # k in float32: refused by mha_fwd_sparse's dtype check
     flash_attn_2_cuda.sparse_fwd(q, q.float(), q, None, cnt, cnt.view(1, 1, 1, 1), None, None, None, None, None, None,
-                                 None, None, 1, 1, 128, 0, 1.0, False, 1, False, None, None, 0)
+                                 None, None, 1, 1, 128, 0, 1.0, False, 1, False, None, None, 0, None, None)
 except RuntimeError as error:
     print("RuntimeError:", str(error).splitlines()[0])
 """

@@ -9,7 +9,7 @@ import flash_attn_sparse as fas
 from flash_attn_sparse import SparseBlocks
 from flash_attn_sparse.metadata import pack_varlen_lists
 from flash_attn_sparse.reference import visibility_from_lists
-from helpers import assert_close_to_reference, poison_allocator, random_qkv
+from helpers import assert_close_to_reference, poison_allocator, random_qkv, sparse_kernel_launches
 
 pytestmark = [pytest.mark.stage6, pytest.mark.gpu]
 
@@ -142,13 +142,6 @@ def test_decode_shaped_causal_per_kv_head_lists(seqlen_q, heads, heads_k, num_sp
     check_decode_causal(seqlen_q, heads, heads_k, num_splits, seqlen_k=3000, density=0.3)
 
 
-def sparse_kernel_names(fn):
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-        fn()
-        torch.cuda.synchronize()
-    return {e.name for e in prof.events() if "flash_fwd_sparse_kernel" in e.name}
-
-
 @pytest.mark.parametrize("num_splits", [0, 1, 5], ids=["auto", "nosplit", "split"])
 @pytest.mark.parametrize("heads,heads_k,seqlen_q", [(32, 8, 1), (8, 2, 4), (32, 2, 1), (8, 8, 16)])
 def test_decode_over_long_lists_runs_the_16_row_tile(seqlen_q, heads, heads_k, num_splits):
@@ -157,8 +150,8 @@ def test_decode_over_long_lists_runs_the_16_row_tile(seqlen_q, heads, heads_k, n
     lists must not take it."""
     q, k, v, blocks = check_decode_causal(seqlen_q, heads, heads_k, num_splits, seqlen_k=36000, density=0.95, batch=16)
     call = lambda: fas.flash_attn_with_sparse_block_table(q, k, v, blocks, causal=True, num_splits=num_splits)
-    assert all("Sparse_decode_kernel_traits" in name for name in sparse_kernel_names(call))
+    assert all("Sparse_decode_kernel_traits" in name for name in sparse_kernel_launches(call))
     short = SparseBlocks(blocks.full_cnt.clamp(max=8), blocks.full_idx[..., :8].contiguous(), block_size=64,
                          q_block_size=blocks.q_block_size)
     short_call = lambda: fas.flash_attn_with_sparse_block_table(q, k, v, short, num_splits=num_splits)
-    assert not any("Sparse_decode_kernel_traits" in name for name in sparse_kernel_names(short_call))
+    assert not any("Sparse_decode_kernel_traits" in name for name in sparse_kernel_launches(short_call))

@@ -236,3 +236,28 @@ def test_valid_paged_calls_pass_every_check_before_the_device_check(page_size, b
     with pytest.raises(SparseInputError, match="^q: must be on a CUDA device"):
         fas.flash_attn_with_sparse_block_table(qkv()[0], kv[:, 0], kv[:, 1], blocks, block_size=block_size, seqused_k=seqused_k,
                                                page_table=page_table, validate="full")
+
+
+@pytest.mark.parametrize("change,refused", [
+    (None, False),
+    ("other_strides", True),
+    ("head_dim_64", True),
+    ("block_64", True),
+    ("missed_mask_lists", True),
+    ("other_dtype", True),
+])
+def test_speculative_one_launch_conditions(change, refused):
+    """Which speculative calls run as one launch over both K/V sources: the conditions
+    mha_fwd_sparse checks for a mask-block source (the call falls back to two passes, which
+    refuses bad input itself)."""
+    from flash_attn_sparse.interface import _one_launch_refusal
+    q, k, v = qkv(dim=64 if change == "head_dim_64" else 128)
+    k_spec, v_spec = k[:, :256].contiguous(), v[:, :256].contiguous()
+    missed = SparseBlocks.from_block_table(table(1, 3), 64 if change == "block_64" else BS, B,
+                                           kind="mask" if change == "missed_mask_lists" else "full")
+    if change == "other_strides":
+        k_spec = torch.cat([k_spec, k_spec], dim=-1)[..., :k.shape[-1]]
+    if change == "other_dtype":
+        k_spec = k_spec.half()
+    reason = _one_launch_refusal(q, k_spec, v_spec, k, v, missed)
+    assert (reason is not None) == refused, reason

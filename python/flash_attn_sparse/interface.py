@@ -248,6 +248,29 @@ class _Call:
         self.causal = causal
         self.cu_seqlens_q, self.cu_seqlens_k, self.seqused_k = cu_seqlens_q, cu_seqlens_k, seqused_k
         self.page_table = page_table
+        self.mask_lists = None  # (mask_cnt, mask_idx) replacing the blocks' own; see use_mask_lists
+        self.mask_source = None  # (k, v) the mask lists name blocks of, when not self.k / self.v
+
+    def use_mask_lists(self, shared: SparseBlocks, source: Optional[Tuple[Tensor, Tensor]] = None) -> None:
+        """Take the mask lists of `shared` (a from_block_table list, shared by every row) as this
+        call's mask blocks, as stride-0 views (no padded copy), naming blocks of `source` (K, V)
+        if given: the speculative forms' one launch. The caller has checked what the kernel
+        needs (batched, unpaged, no mask lists of its own; for a source: its strides and a
+        block size of at least one kernel tile)."""
+        full_cnt, full_idx = self.blocks.full_cnt, self.blocks.full_idx
+        self.mask_lists = (shared.mask_cnt.expand(full_cnt.shape),
+                           shared.mask_idx.expand(*full_idx.shape[:3], shared.mask_idx.shape[-1]))
+        self.mask_source = source
+
+    def max_list_length(self) -> int:
+        """A bound of a row's total count from shapes, as sparse_decode_tile computes it."""
+        full = self.blocks.max_list_length(self.max_seqlen_k)
+        if self.mask_lists is None:
+            return full
+        mask_capacity, block_size = self.mask_lists[1].shape[-1], self.blocks.block_size
+        if self.mask_source is not None:  # its blocks add to k's
+            return full + min(mask_capacity, cdiv(self.mask_source[0].shape[1], block_size))
+        return min(full + mask_capacity, cdiv(self.max_seqlen_k, block_size))
 
     @property
     def pack_gqa(self) -> bool:
@@ -265,17 +288,19 @@ class _Call:
         if refusal := ops.head_dim_refusal(self.q.shape[-1]):
             fail("q", refusal)
         b = self.blocks
-        return (self.q, self.k, self.v, b.full_cnt, b.full_idx, b.mask_cnt, b.mask_idx,
+        mask_cnt, mask_idx = self.mask_lists or (b.mask_cnt, b.mask_idx)
+        k_source, v_source = self.mask_source or (None, None)
+        return (self.q, self.k, self.v, b.full_cnt, b.full_idx, mask_cnt, mask_idx,
                 self.cu_seqlens_q, self.cu_seqlens_k, self.seqused_k, b.cu_total_m_blocks, b.cu_block_idx_offsets,
                 self.max_seqlen_q, self.max_seqlen_k, b.block_size, b.resolved_q_block_size(self.max_seqlen_q),
-                self.scale, self.causal, num_splits, self.pack_gqa, self.page_table)
+                self.scale, self.causal, num_splits, self.pack_gqa, self.page_table, k_source, v_source)
 
     def split_work(self) -> Tuple[int, int, int]:
         """(CTAs per split, CTAs resident at once, kernel tiles of the longest list) of the
         split-capable kernel, in the form it runs: 64-row tiles or the 16-row decode tile."""
         group = self.q.shape[-2] // self.k.shape[-2] if self.pack_gqa else 1
         tile_heads = self.batch * (self.q.shape[-2] // group)
-        max_list_keys = self.blocks.max_list_length(self.max_seqlen_k) * self.blocks.block_size
+        max_list_keys = self.max_list_length() * self.blocks.block_size
         decode_tile = _decode_tile(self.max_seqlen_q * group, max_list_keys, tile_heads)
         ctas = tile_heads * cdiv(self.max_seqlen_q * group, KERNEL_ROWS)
         tiles = cdiv(max_list_keys, _tile_n(self.q.shape[-1], decode_tile))
@@ -442,6 +467,25 @@ def flash_attn_combine(out_partials: Tensor, lse_partials: Tensor, out_dtype: to
     return ops.combine(out_partials.contiguous(), lse_partials.contiguous(), out_dtype, head_dim, None, 0)
 
 
+def _one_launch_refusal(q: Tensor, k_spec, v_spec, k: Tensor, v: Tensor, missed: SparseBlocks) -> Optional[str]:
+    """Why the speculative call cannot run as one launch over both sources (None if it can).
+    The same conditions as mha_fwd_sparse's checks of a mask-block source; the two-pass form
+    runs otherwise (and reports bad input)."""
+    if not all(isinstance(t, Tensor) and t.dim() == 4 for t in (q, k_spec, v_spec, k, v)):
+        return "not batched 4-D tensors"
+    if missed.is_varlen or missed.mask_cnt is not None:
+        return "the missed set has mask lists or the varlen layout"
+    if missed.block_size < _tile_n(q.shape[-1], decode_tile=False):
+        return f"block size {missed.block_size} is below the kernel tile at head dim {q.shape[-1]}"
+    for t in (k_spec, v_spec):
+        if t.dtype != q.dtype or t.device != q.device or t.shape[0] != q.shape[0] or t.shape[2:] != k.shape[2:] or t.shape[1] == 0:
+            return "k_spec / v_spec differ from k / v in dtype, device, batch, heads or head dim, or are empty"
+    if (k_spec.stride()[1:] != k.stride()[1:] or v_spec.stride()[1:] != v.stride()[1:] or k.stride(-1) != 1
+            or v.stride(-1) != 1):
+        return "k_spec / v_spec have other row or head strides than k / v"
+    return None
+
+
 def flash_attn_speculative_sparse(q: Tensor, k_spec: Tensor, v_spec: Tensor, k: Tensor, v: Tensor,
                                   sparse_block_table: BlockTable, softmax_scale: Optional[float] = None,
                                   causal_spec: bool = True, block_size: int = 128, num_splits: int = 0,
@@ -450,11 +494,22 @@ def flash_attn_speculative_sparse(q: Tensor, k_spec: Tensor, v_spec: Tensor, k: 
     it holds the diagonal, causal when causal_spec) merged exactly with attention over the
     missed blocks of the full K/V (sparse_block_table, all "full": every key visible to every
     query row). Both passes write fp32 partials into one buffer; the split-KV combine kernel
-    merges them. Returns (out, lse) like flash_attn_with_sparse_block_table."""
+    merges them. Returns (out, lse) like flash_attn_with_sparse_block_table.
+
+    Where the kernel allows (see _one_launch_refusal: k_spec/v_spec strided like k/v, a block
+    size of at least one kernel tile, no mask lists in the missed set), both passes run as one
+    launch over the two sources, merged in the kernel's own split combine: the same result."""
     batch = q.shape[0] if isinstance(q, Tensor) and q.dim() == 4 else 1
     missed = _as_blocks(sparse_block_table, block_size, batch, "sparse_block_table")
     if not isinstance(k_spec, Tensor) or k_spec.dim() != 4:
         fail("k_spec", "must be a (batch, seqlen_spec, heads_k, head_dim) tensor")
+    if _one_launch_refusal(q, k_spec, v_spec, k, v, missed) is None:
+        call = _Call(q, k, v, missed, causal=causal_spec, softmax_scale=softmax_scale, num_splits=num_splits,
+                     validate=validate)
+        bs = missed.block_size
+        spec = SparseBlocks.from_block_table(int_range(0, cdiv(k_spec.shape[1], bs), k_spec.device), bs, batch, kind="mask")
+        call.use_mask_lists(spec, source=(k_spec, v_spec))
+        return call.run()
     spec_table = int_range(0, cdiv(k_spec.shape[1], 128), k_spec.device)
     spec = SparseBlocks.from_block_table(spec_table, 128, batch, kind="mask" if causal_spec else "full")
     spec_call = _Call(q, k_spec, v_spec, spec, causal=causal_spec, softmax_scale=softmax_scale, num_splits=num_splits,
@@ -484,11 +539,17 @@ def flash_attn_speculative_sparse_zero_copy(q: Tensor, k: Tensor, v: Tensor, spe
     for name, t in (("spec_block_table", spec_block_table), ("missed_block_table", missed_block_table)):
         if not isinstance(t, Tensor) or t.dtype != torch.int32 or t.dim() != 1:
             fail(name, "must be a 1-D int32 tensor of block ids")
+        if isinstance(q, Tensor) and t.device != q.device:
+            fail(name, f"must be on the device of q ({q.device}), got {t.device}")
     spec = SparseBlocks.from_block_table(spec_block_table, block_size, batch, kind="mask")
     missed = SparseBlocks.from_block_table(missed_block_table, block_size, batch)
-    n = max(spec_block_table.shape[0], missed_block_table.shape[0])
-    pad = lambda t: torch.nn.functional.pad(t, (0, n - t.shape[0])).view(1, 1, 1, n).expand(batch, 1, 1, n)
-    union = SparseBlocks(missed.full_cnt, pad(missed_block_table), spec.mask_cnt, pad(spec_block_table), block_size)
-    call = _Call(q, k, v, union, causal=causal_spec, softmax_scale=softmax_scale, num_splits=num_splits,
+    call = _Call(q, k, v, missed, causal=causal_spec, softmax_scale=softmax_scale, num_splits=num_splits,
                  validate=validate)
+    if exhaustive_validation_requested(validate):  # the two lists together: ids in range, no block twice
+        n = max(spec_block_table.shape[0], missed_block_table.shape[0])
+        pad = lambda t: torch.nn.functional.pad(t, (0, n - t.shape[0])).view(1, 1, 1, n).expand(batch, 1, 1, n)
+        union = SparseBlocks(missed.full_cnt, pad(missed_block_table), spec.mask_cnt, pad(spec_block_table), block_size)
+        validate_block_contents(union, causal=causal_spec, seqlens_q=[call.max_seqlen_q] * batch,
+                                seqlens_k=[call.max_seqlen_k] * batch)
+    call.use_mask_lists(spec)  # views of the two tables, not a padded union (two copies and a fill)
     return call.run()

@@ -62,18 +62,20 @@ def sparse_fwd(q: Tensor, k: Tensor, v: Tensor, full_cnt: Tensor, full_idx: Tens
                cu_total_m_blocks: Optional[Tensor], cu_block_idx_offsets: Optional[Tensor],
                max_seqlen_q: int, max_seqlen_k: int, block_size: int, q_block_size: int,
                softmax_scale: float, causal: bool, num_splits: int, pack_gqa: bool,
-               page_table: Optional[Tensor]) -> Tuple[Tensor, Tensor]:
+               page_table: Optional[Tensor], k_mask_source: Optional[Tensor],
+               v_mask_source: Optional[Tensor]) -> Tuple[Tensor, Tensor]:
+    """k_mask_source / v_mask_source: the K/V the mask blocks name, when not k and v."""
     out, lse = _cuda_module().sparse_fwd(
         q, k, v, None, full_cnt, full_idx, mask_cnt, mask_idx, cu_seqlens_q, cu_seqlens_k, seqused_k, page_table,
         cu_total_m_blocks, cu_block_idx_offsets, max_seqlen_q, max_seqlen_k, block_size, q_block_size,
-        softmax_scale, causal, num_splits, pack_gqa, None, None, 0)
+        softmax_scale, causal, num_splits, pack_gqa, None, None, 0, k_mask_source, v_mask_source)
     return out, lse
 
 
 @sparse_fwd.register_fake
 def _(q, k, v, full_cnt, full_idx, mask_cnt, mask_idx, cu_seqlens_q, cu_seqlens_k, seqused_k,
       cu_total_m_blocks, cu_block_idx_offsets, max_seqlen_q, max_seqlen_k, block_size, q_block_size,
-      softmax_scale, causal, num_splits, pack_gqa, page_table):
+      softmax_scale, causal, num_splits, pack_gqa, page_table, k_mask_source, v_mask_source):
     out = torch.empty_like(q)
     if cu_seqlens_q is not None:
         lse = q.new_empty((q.shape[1], q.shape[0]), dtype=torch.float32)
@@ -89,13 +91,13 @@ def sparse_fwd_partial(q: Tensor, k: Tensor, v: Tensor, full_cnt: Tensor, full_i
                        cu_total_m_blocks: Optional[Tensor], cu_block_idx_offsets: Optional[Tensor],
                        max_seqlen_q: int, max_seqlen_k: int, block_size: int, q_block_size: int,
                        softmax_scale: float, causal: bool, num_splits: int, pack_gqa: bool,
-                       page_table: Optional[Tensor],
+                       page_table: Optional[Tensor], k_mask_source: Optional[Tensor], v_mask_source: Optional[Tensor],
                        out_partial: Tensor, lse_partial: Tensor, partial_offset: int) -> None:
     """Writes fp32 partials of this call to slots [partial_offset, partial_offset + num_splits)."""
     _cuda_module().sparse_fwd(
         q, k, v, None, full_cnt, full_idx, mask_cnt, mask_idx, cu_seqlens_q, cu_seqlens_k, seqused_k, page_table,
         cu_total_m_blocks, cu_block_idx_offsets, max_seqlen_q, max_seqlen_k, block_size, q_block_size,
-        softmax_scale, causal, num_splits, pack_gqa, out_partial, lse_partial, partial_offset)
+        softmax_scale, causal, num_splits, pack_gqa, out_partial, lse_partial, partial_offset, k_mask_source, v_mask_source)
 
 
 @sparse_fwd_partial.register_fake

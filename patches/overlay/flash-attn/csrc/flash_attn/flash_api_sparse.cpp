@@ -123,7 +123,8 @@ std::vector<at::Tensor> mha_fwd_sparse(
     int max_seqlen_q, int max_seqlen_k,
     int block_size, int q_block_size,
     double softmax_scale, bool is_causal, int num_splits, bool pack_gqa,
-    std::optional<at::Tensor> out_partial_, std::optional<at::Tensor> lse_partial_, int partial_offset) {
+    std::optional<at::Tensor> out_partial_, std::optional<at::Tensor> lse_partial_, int partial_offset,
+    std::optional<at::Tensor> k_mask_source_, std::optional<at::Tensor> v_mask_source_) {
 
     at::cuda::CUDAGuard device_guard{q.device()};
     auto [cc_major, cc_minor] = get_compute_capability(get_current_device());
@@ -198,8 +199,33 @@ std::vector<at::Tensor> mha_fwd_sparse(
     if (mask_cnt_.has_value()) {
         check_int32_table(*mask_cnt_, "mask_cnt", q);
         check_int32_table(*mask_idx_, "mask_idx", q);
-        TORCH_CHECK(mask_cnt_->sizes() == full_cnt.sizes() && mask_cnt_->strides() == full_cnt.strides(), "mask_cnt must have the shape and strides of full_cnt");
-        TORCH_CHECK(mask_idx_->sizes() == full_idx.sizes() && mask_idx_->strides() == full_idx.strides(), "mask_idx must have the shape and strides of full_idx");
+        if (varlen) {
+            TORCH_CHECK(mask_cnt_->sizes() == full_cnt.sizes() && mask_cnt_->strides() == full_cnt.strides(), "varlen lists: mask_cnt must have the shape and strides of full_cnt");
+            TORCH_CHECK(mask_idx_->sizes() == full_idx.sizes() && mask_idx_->strides() == full_idx.strides(), "varlen lists: mask_idx must have the shape and strides of full_idx");
+        } else {
+            // Batched: the mask lists keep their own strides and capacity (a shared list is a view).
+            TORCH_CHECK(mask_cnt_->sizes() == full_cnt.sizes(), "mask_cnt must have the shape of full_cnt");
+            TORCH_CHECK(mask_idx_->dim() == 4 && mask_idx_->sizes().slice(0, 3) == full_idx.sizes().slice(0, 3),
+                        "mask_idx must have full_idx's batch, head and m_blocks extents");
+        }
+    }
+    const bool mask_source = k_mask_source_.has_value();
+    TORCH_CHECK(mask_source == v_mask_source_.has_value(), "k_mask_source and v_mask_source go together");
+    if (mask_source) {
+        const at::Tensor &k2 = *k_mask_source_, &v2 = *v_mask_source_;
+        TORCH_CHECK(!varlen && !paged, "a mask-block K/V source needs batched, unpaged k and v");
+        TORCH_CHECK(mask_cnt_.has_value(), "a mask-block K/V source needs mask lists");
+        TORCH_CHECK(k2.dtype() == q_dtype && v2.dtype() == q_dtype, "k_mask_source and v_mask_source must have the dtype of q");
+        CHECK_DEVICE(k2); CHECK_DEVICE(v2);
+        TORCH_CHECK(k2.dim() == 4 && v2.sizes() == k2.sizes() && k2.size(0) == batch_size && k2.size(2) == num_heads_k && k2.size(3) == head_size,
+                    "k_mask_source and v_mask_source must be batch x seqlen x num_heads_k x head_size");
+        TORCH_CHECK(k2.size(1) > 0, "k_mask_source must hold keys");
+        // The kernel reaches the source from k's and v's row offsets, and copies a tile from one source.
+        TORCH_CHECK(k2.stride(1) == k.stride(1) && k2.stride(2) == k.stride(2) && k2.stride(3) == 1
+                    && v2.stride(1) == v.stride(1) && v2.stride(2) == v.stride(2) && v2.stride(3) == 1,
+                    "k_mask_source and v_mask_source must have the row and head strides of k and v");
+        TORCH_CHECK(block_size >= sparse_max_tile_keys(head_size), "a mask-block K/V source needs block_size >= ",
+                    sparse_max_tile_keys(head_size), " (the kernel tile) at head dim ", head_size);
     }
     TORCH_CHECK(block_size >= 16 && block_size <= 256 && (block_size & (block_size - 1)) == 0, "block_size must be 16, 32, 64, 128 or 256");
     TORCH_CHECK(q_block_size > 0 && q_block_size % kSparseNarrowBlockM == 0, "q_block_size must be a positive multiple of 64");
@@ -246,6 +272,19 @@ std::vector<at::Tensor> mha_fwd_sparse(
     params.sparse_full_idx = full_idx.data_ptr<int>();
     params.sparse_mask_cnt = mask_cnt_.has_value() ? mask_cnt_->data_ptr<int>() : nullptr;
     params.sparse_mask_idx = mask_idx_.has_value() ? mask_idx_->data_ptr<int>() : nullptr;
+    if (mask_source) {
+        // Address differences in elements: the kernel adds them to k's and v's row offsets.
+        const auto element_shift = [](const at::Tensor &to, const at::Tensor &from) {
+            const int64_t bytes = reinterpret_cast<int64_t>(to.data_ptr()) - reinterpret_cast<int64_t>(from.data_ptr());
+            TORCH_CHECK(bytes % int64_t(from.element_size()) == 0, "k/v and their mask-block source must be element-aligned to each other");
+            return bytes / int64_t(from.element_size());
+        };
+        params.sparse_mask_k_shift = element_shift(*k_mask_source_, k);
+        params.sparse_mask_v_shift = element_shift(*v_mask_source_, v);
+        params.sparse_mask_k_batch_shift = k_mask_source_->stride(0) - k.stride(0);
+        params.sparse_mask_v_batch_shift = v_mask_source_->stride(0) - v.stride(0);
+        params.sparse_mask_seqlen_k = k_mask_source_->size(1);
+    }
     if (varlen) {
         params.sparse_cnt_head_stride = full_cnt.stride(0);
         params.sparse_idx_head_stride = full_idx.stride(0);
@@ -259,6 +298,15 @@ std::vector<at::Tensor> mha_fwd_sparse(
         params.sparse_idx_head_stride = full_idx.stride(1);
         params.sparse_idx_row_stride = full_idx.stride(2);
         params.sparse_idx_capacity = full_idx.size(3);
+        if (mask_cnt_.has_value()) {
+            params.sparse_mask_cnt_batch_stride = mask_cnt_->stride(0);
+            params.sparse_mask_cnt_head_stride = mask_cnt_->stride(1);
+            params.sparse_mask_cnt_row_stride = mask_cnt_->stride(2);
+            params.sparse_mask_idx_batch_stride = mask_idx_->stride(0);
+            params.sparse_mask_idx_head_stride = mask_idx_->stride(1);
+            params.sparse_mask_idx_row_stride = mask_idx_->stride(2);
+            params.sparse_mask_idx_capacity = mask_idx_->size(3);
+        }
     }
     params.sparse_head_ratio = num_heads / num_table_heads;
     params.sparse_block_size = block_size;

@@ -37,7 +37,8 @@ std::vector<at::Tensor> mha_fwd_sparse(
     int max_seqlen_q, int max_seqlen_k,
     int block_size, int q_block_size,
     double softmax_scale, bool is_causal, int num_splits, bool pack_gqa,
-    std::optional<at::Tensor> out_partial_, std::optional<at::Tensor> lse_partial_, int partial_offset);
+    std::optional<at::Tensor> out_partial_, std::optional<at::Tensor> lse_partial_, int partial_offset,
+    std::optional<at::Tensor> k_mask_source_, std::optional<at::Tensor> v_mask_source_);
 
 // Merges partials (S x b x h x seqlen_q x d_rounded fp32, S x b x h x seqlen_q fp32) into out and
 // softmax_lse, laid out as mha_fwd_sparse returns them, with the split-KV combine kernel.

@@ -45,7 +45,8 @@ using namespace cute;
 ////////////////////////////////////////////////////////////////////////////////////////////////////
 
 // The lists of one query tile, concatenated: entry e < mask_cnt is mask_idx[e], the rest are
-// full_idx[e - mask_cnt].
+// full_idx[e - mask_cnt]. Mask entries may name blocks of a second K/V source (mask_seqlen_k
+// keys long; equal to seqlen_k when there is none).
 struct SparseTileList {
     const int *mask_idx;
     const int *full_idx;
@@ -53,28 +54,34 @@ struct SparseTileList {
     int total_cnt;
     int block_size;
     int block_size_log2;
-    int num_blocks_k;  // valid block ids are [0, num_blocks_k)
     int seqlen_k;
+    int mask_seqlen_k;
 
     __forceinline__ __device__ int block(const int e) const {
         return e < mask_cnt ? __ldg(mask_idx + e) : __ldg(full_idx + (e - mask_cnt));
     }
 
-    // Key position of list row v, or -1 if that row is not a real key.
-    __forceinline__ __device__ int position(const int v) const {
-        const int e = v >> block_size_log2;
-        if (e >= total_cnt) { return -1; }
-        const int blk = block(e);
-        if (blk < 0 || blk >= num_blocks_k) { return -1; }
-        const int pos = (blk << block_size_log2) + (v & (block_size - 1));
-        return pos < seqlen_k ? pos : -1;
+    // Keys in the source of entry e.
+    __forceinline__ __device__ int source_keys(const int e) const { return e < mask_cnt ? mask_seqlen_k : seqlen_k; }
+
+    // Whether blk is a block of entry e's source (checked before any shift, so a huge id cannot
+    // wrap into range).
+    __forceinline__ __device__ bool valid_block(const int e, const int blk) const {
+        return blk >= 0 && blk <= ((source_keys(e) - 1) >> block_size_log2);
     }
 
-    // Key position of list row v when the caller already read the row's block id blk.
+    // Key position of list row v (entry e = v / block_size, block id blk), or -1 if that row is
+    // not a real key of its source.
     __forceinline__ __device__ int position_in_block(const int v, const int blk) const {
-        if ((v >> block_size_log2) >= total_cnt || blk < 0 || blk >= num_blocks_k) { return -1; }
+        const int e = v >> block_size_log2;
+        if (e >= total_cnt || !valid_block(e, blk)) { return -1; }
         const int pos = (blk << block_size_log2) + (v & (block_size - 1));
-        return pos < seqlen_k ? pos : -1;
+        return pos < source_keys(e) ? pos : -1;
+    }
+
+    __forceinline__ __device__ int position(const int v) const {
+        const int e = v >> block_size_log2;
+        return position_in_block(v, e < total_cnt ? block(e) : -1);
     }
 
     // Whether list rows [v0, v0 + n) need score masking: a mask block (when causal), a list
@@ -85,7 +92,7 @@ struct SparseTileList {
         if (e1 >= total_cnt || (is_causal && e0 < mask_cnt)) { return true; }
         for (int e = e0; e <= e1; ++e) {
             const int blk = block(e);
-            if (blk < 0 || blk >= num_blocks_k || ((blk + 1) << block_size_log2) > seqlen_k) { return true; }
+            if (!valid_block(e, blk) || ((blk + 1) << block_size_log2) > source_keys(e)) { return true; }
         }
         return false;
     }
@@ -149,12 +156,17 @@ __forceinline__ __device__ SparseTileList get_sparse_tile_list(const Params &par
     // tile's positions stay within one table row.
     const int hs = rows.first_head / params.sparse_head_ratio;
     const int m_row = rows.position(0) / params.sparse_q_block_size;
-    index_t cnt_offset, idx_offset;
-    int capacity;
+    index_t cnt_offset, idx_offset, mask_cnt_offset, mask_idx_offset;
+    int capacity, mask_capacity;
     if (params.sparse_cu_total_m_blocks == nullptr) {
         cnt_offset = bidb * params.sparse_cnt_batch_stride + hs * params.sparse_cnt_head_stride + m_row;
         idx_offset = bidb * params.sparse_idx_batch_stride + hs * params.sparse_idx_head_stride + m_row * params.sparse_idx_row_stride;
         capacity = params.sparse_idx_capacity;
+        mask_cnt_offset = bidb * params.sparse_mask_cnt_batch_stride + hs * params.sparse_mask_cnt_head_stride
+            + m_row * params.sparse_mask_cnt_row_stride;
+        mask_idx_offset = bidb * params.sparse_mask_idx_batch_stride + hs * params.sparse_mask_idx_head_stride
+            + m_row * params.sparse_mask_idx_row_stride;
+        mask_capacity = params.sparse_mask_idx_capacity;
     } else {
         const int m_first = params.sparse_cu_total_m_blocks[bidb];
         const int m_rows = params.sparse_cu_total_m_blocks[bidb + 1] - m_first;
@@ -164,19 +176,22 @@ __forceinline__ __device__ SparseTileList get_sparse_tile_list(const Params &par
         idx_offset = hs * params.sparse_idx_head_stride + idx_first + index_t(m_row) * n_per_row;
         // A tile without a row in the metadata gets an empty list rather than a stray read.
         capacity = m_row < m_rows ? n_per_row : 0;
+        mask_cnt_offset = cnt_offset;
+        mask_idx_offset = idx_offset;
+        mask_capacity = capacity;
     }
     SparseTileList list;
     const int full_cnt = capacity > 0 ? min(max(params.sparse_full_cnt[cnt_offset], 0), capacity) : 0;
-    const int mask_cnt = capacity > 0 && params.sparse_mask_cnt != nullptr
-        ? min(max(params.sparse_mask_cnt[cnt_offset], 0), capacity) : 0;
+    const int mask_cnt = mask_capacity > 0 && params.sparse_mask_cnt != nullptr
+        ? min(max(params.sparse_mask_cnt[mask_cnt_offset], 0), mask_capacity) : 0;
     list.full_idx = params.sparse_full_idx + idx_offset;
-    list.mask_idx = params.sparse_mask_idx == nullptr ? list.full_idx : params.sparse_mask_idx + idx_offset;
+    list.mask_idx = params.sparse_mask_idx == nullptr ? list.full_idx : params.sparse_mask_idx + mask_idx_offset;
     list.mask_cnt = mask_cnt;
     list.total_cnt = mask_cnt + full_cnt;
     list.block_size = params.sparse_block_size;
     list.block_size_log2 = params.sparse_block_size_log2;
-    list.num_blocks_k = (seqlen_k + params.sparse_block_size - 1) >> params.sparse_block_size_log2;
     list.seqlen_k = seqlen_k;
+    list.mask_seqlen_k = params.sparse_mask_seqlen_k > 0 ? params.sparse_mask_seqlen_k : seqlen_k;
     return list;
 }
 
@@ -241,9 +256,10 @@ template <bool Is_even_K, bool Clear_invalid_rows, int kRows, typename TiledCopy
           typename Engine1, typename Layout1, typename Engine2, typename Layout2, typename Engine3, typename Layout3>
 __forceinline__ __device__ void copy_keys(TiledCopy tiled_copy, Tensor<Engine0, Layout0> const &S, Tensor<Engine1, Layout1> const &S0,
                                           Tensor<Engine2, Layout2> &D, Tensor<Engine3, Layout3> const &predicate_K,
-                                          const int start, const int (&positions)[kRows], const int64_t row_stride) {
+                                          const int start, const int (&positions)[kRows], const int64_t row_stride,
+                                          const int64_t source_shift) {
     if (start >= 0) {
-        Tensor src = make_tensor(S.data() + int64_t(start) * row_stride, S.layout());
+        Tensor src = make_tensor(S.data() + source_shift + int64_t(start) * row_stride, S.layout());
         #pragma unroll
         for (int m = 0; m < size<1>(src); ++m) {
             #pragma unroll
@@ -256,7 +272,7 @@ __forceinline__ __device__ void copy_keys(TiledCopy tiled_copy, Tensor<Engine0, 
             }
         }
     } else {
-        copy_rows<Is_even_K, Clear_invalid_rows>(tiled_copy, S0, D, predicate_K, [&](int m) {
+        copy_rows<Is_even_K, Clear_invalid_rows>(tiled_copy, make_tensor(S0.data() + source_shift, S0.layout()), D, predicate_K, [&](int m) {
             return positions[m] < 0 ? int64_t(-1) : int64_t(positions[m]) * row_stride;
         });
     }
@@ -279,7 +295,7 @@ __forceinline__ __device__ void apply_sparse_mask(Tensor<Engine, Layout> &acc_s,
     for (int mi = 0; mi < kRowGroups; ++mi) {
         #pragma unroll
         for (int i = 0; i < kRowsPerGroup; ++i) {
-            last_visible[mi][i] = rows.position(row_idx_offset + mi * warp_row_stride + i * 8) + list.seqlen_k - seqlen_q;
+            last_visible[mi][i] = rows.position(row_idx_offset + mi * warp_row_stride + i * 8) + list.mask_seqlen_k - seqlen_q;
         }
     }
     const int e0 = v0 >> list.block_size_log2;
@@ -527,14 +543,25 @@ inline __device__ void compute_attn_1rowblock_sparse(const Params &params, const
         return e < list.total_cnt ? list.block(e) : -1;
     };
     auto tile_keys = [&](const int tile, const int blk, int (&positions)[kRowsPerThread]) {
+        const int e = (tile * kBlockN) >> list.block_size_log2;
         const int start = (blk << list.block_size_log2) + ((tile * kBlockN) & (list.block_size - 1));
-        if (blk >= 0 && blk < list.num_blocks_k && start + kBlockN <= list.seqlen_k) {
+        if (list.valid_block(e, blk) && start + kBlockN <= list.source_keys(e)) {
             if constexpr (!Paged) { return start; }
             const int row = paged.resolve(start);
             if (row >= 0) { return row; }
         }
         tile_positions(tile, positions);
         return -1;
+    };
+    // Where a tile's keys come from: K/V, or (its entry a mask entry) the mask blocks' own source,
+    // whose rows lie a fixed distance away (the host keeps a tile within one entry then).
+    auto k_shift = [&](const int tile) {
+        const bool second = params.sparse_mask_seqlen_k > 0 && ((tile * kBlockN) >> list.block_size_log2) < list.mask_cnt;
+        return second ? params.sparse_mask_k_shift + bidb * params.sparse_mask_k_batch_shift : int64_t(0);
+    };
+    auto v_shift = [&](const int tile) {
+        const bool second = params.sparse_mask_seqlen_k > 0 && ((tile * kBlockN) >> list.block_size_log2) < list.mask_cnt;
+        return second ? params.sparse_mask_v_shift + bidb * params.sparse_mask_v_batch_shift : int64_t(0);
     };
     // Strided views of K and V from row 0, partitioned once; a tile's copy moves the base.
     Tensor tKgK = gmem_thr_copy_QKV.partition_S(make_tensor(gK0.data(), Shape<Int<kBlockN>, Int<kHeadDim>>{}, make_stride(params.k_row_stride, _1{})));
@@ -549,7 +576,7 @@ inline __device__ void compute_attn_1rowblock_sparse(const Params &params, const
     // diagonal of the tile's first (lowest-position) row; the other mask-block tiles are fully
     // visible and take the unmasked path, as upstream masks only its diagonal tiles. (The
     // speculative forms list several mask blocks of which one holds the diagonal.)
-    const int first_row_last_visible = rows.position(0) + list.seqlen_k - binfo.actual_seqlen_q;
+    const int first_row_last_visible = rows.position(0) + list.mask_seqlen_k - binfo.actual_seqlen_q;
     auto tile_crosses_diagonal = [&](const int tile, const int blk) {
         const int e = (tile * kBlockN) >> list.block_size_log2;
         const int last_key = (blk << list.block_size_log2) + ((tile * kBlockN) & (list.block_size - 1)) + kBlockN - 1;
@@ -567,7 +594,7 @@ inline __device__ void compute_attn_1rowblock_sparse(const Params &params, const
         tile_positions(tile, positions);
     }
     // Invalid K rows need no clearing: their scores are masked to -inf.
-    copy_keys<Is_even_K, /*Clear_invalid_rows=*/false>(gmem_tiled_copy_QKV, tKgK, tKgK0, tKsK, tKVpKV, start, positions, params.k_row_stride);
+    copy_keys<Is_even_K, /*Clear_invalid_rows=*/false>(gmem_tiled_copy_QKV, tKgK, tKgK0, tKsK, tKVpKV, start, positions, params.k_row_stride, k_shift(tile));
     cute::cp_async_fence();
 
     clear(acc_o);
@@ -579,7 +606,7 @@ inline __device__ void compute_attn_1rowblock_sparse(const Params &params, const
         clear(acc_s);
         FLASH_NAMESPACE::cp_async_wait<0>();
         __syncthreads();
-        copy_keys<Is_even_K, /*Clear_invalid_rows=*/true>(gmem_tiled_copy_QKV, tVgV, tVgV0, tVsV, tKVpKV, start, positions, params.v_row_stride);
+        copy_keys<Is_even_K, /*Clear_invalid_rows=*/true>(gmem_tiled_copy_QKV, tVgV, tVgV0, tVsV, tKVpKV, start, positions, params.v_row_stride, v_shift(tile));
         cute::cp_async_fence();
         // Look up the next tile's keys now so the list reads overlap the matmul.
         int next_positions[kRowsPerThread];
@@ -601,7 +628,7 @@ inline __device__ void compute_attn_1rowblock_sparse(const Params &params, const
         FLASH_NAMESPACE::cp_async_wait<0>();
         __syncthreads();
         if (tile > tile_min) {
-            copy_keys<Is_even_K, /*Clear_invalid_rows=*/false>(gmem_tiled_copy_QKV, tKgK, tKgK0, tKsK, tKVpKV, next_start, next_positions, params.k_row_stride);
+            copy_keys<Is_even_K, /*Clear_invalid_rows=*/false>(gmem_tiled_copy_QKV, tKgK, tKgK0, tKsK, tKVpKV, next_start, next_positions, params.k_row_stride, k_shift(tile - 1));
             // The fence stays inside the branch, as upstream's: the wait<0> above counts on it.
             cute::cp_async_fence();
             start = next_start;

@@ -25,15 +25,25 @@ constexpr int kSparseDecodeBlockM = 16;
 constexpr long kSparseDecodeMinListKeys = 16384;
 constexpr long kSparseDecodeMinTotalKeys = 1L << 20;
 
+// Keys per tile (kBlockN) of the largest-tile kernel a call of this head dim can take: the
+// 64-row kernel's (run_mha_fwd_sparse_narrow_; the 128-row and 16-row kernels' are no larger).
+inline int sparse_max_tile_keys(const int head_size) { return head_size <= 64 ? 256 : (head_size <= 128 ? 128 : 64); }
+
 // The longest list is bounded from shapes, as flash_attn_sparse.metadata.max_list_length does;
 // flash_attn_sparse.interface._decode_tile makes the same choice when it picks the split count.
 inline bool sparse_decode_tile(const Flash_fwd_params &params) {
     if (params.seqlen_q * params.sparse_pack_gqa > kSparseDecodeBlockM) { return false; }
-    const long n_blocks = (long(params.seqlen_k) + params.sparse_block_size - 1) / params.sparse_block_size;
+    const auto blocks_of = [&](const long keys) { return (keys + params.sparse_block_size - 1) / params.sparse_block_size; };
+    const long n_blocks = blocks_of(params.seqlen_k);
+    const long mask_capacity = params.sparse_mask_idx != nullptr ? params.sparse_mask_idx_capacity : 0;
     long listed = n_blocks;
     if (params.sparse_cu_total_m_blocks == nullptr) {
-        const long per_list = long(params.sparse_idx_capacity) * (params.sparse_mask_idx != nullptr ? 2 : 1);
-        listed = per_list < n_blocks ? per_list : n_blocks;
+        if (params.sparse_mask_seqlen_k > 0) {  // mask blocks from their own source: the lists add up
+            const long mask_blocks = blocks_of(params.sparse_mask_seqlen_k);
+            listed = std::min<long>(params.sparse_idx_capacity, n_blocks) + std::min(mask_capacity, mask_blocks);
+        } else {
+            listed = std::min<long>(params.sparse_idx_capacity + mask_capacity, n_blocks);
+        }
     }
     const long list_keys = listed * params.sparse_block_size;
     const long ctas = long(params.b) * (params.h / params.sparse_pack_gqa);
