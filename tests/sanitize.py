@@ -2,8 +2,8 @@
 
 Runs memcheck, racecheck and initcheck, each over this file's --cases: adversarial valid calls
 (lists that are empty, one block, the tail block only, every block, as long as the row) of the
-non-split, split, GQA-packed, paged, varlen, decode-tile and partials + combine paths, small enough
-for the tools.
+non-split, split, GQA-packed, paged, varlen, decode-tile, one-launch speculative and partials +
+combine paths, small enough for the tools.
 Prints one summary line per tool and exits non-zero if any reports an error.
 """
 
@@ -75,6 +75,14 @@ def cases():
     for num_splits in (0, 1, 3):
         fas.flash_attn_with_sparse_block_table(q1, k1, v1, every, num_splits=num_splits)
     print("decode tile: ok", flush=True)
+    # Speculative in one launch: the mask blocks read k_spec / v_spec (a separate allocation,
+    # 300 keys: a partial last block) through the address shift; an empty missed set too.
+    k_spec, v_spec = randn(batch, 300, heads_k, dim), randn(batch, 300, heads_k, dim)
+    for missed in ([5, 0, 9], []):
+        for num_splits in (1, 3):
+            fas.flash_attn_speculative_sparse(q, k_spec, v_spec, k, v, torch.tensor(missed, dtype=torch.int32, device="cuda"),
+                                              block_size=128, num_splits=num_splits)
+    print("speculative one launch: ok", flush=True)
     parts = fas.flash_attn_sparse_partials(q, k, v, [torch.tensor(t, dtype=torch.int32, device="cuda") for t in ([1, 2], [], [7])], block_size=block)
     fas.flash_attn_combine(*parts)
     print("partials + combine: ok", flush=True)
