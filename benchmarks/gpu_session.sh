@@ -14,7 +14,9 @@
 # make one with `PYTHONPATH=python python -m forktools variant BRANCH -o .carry/variants/BRANCH.diff`;
 # the branch's changed test files, copied into .carry/variants/BRANCH.tests/, replace main's for its tests),
 # ncu-dense (counters of the sparse kernel with every block listed beside upstream's dense kernel),
-# ncu-source (that kernel's per-SASS-instruction counters and stall samples, for the hot spots).
+# ncu-source (that kernel's per-SASS-instruction counters and stall samples, for the hot spots),
+# ncu-spec (the same for the union pass and the one-launch speculative call at B8 Sq16 1/16, whose
+# one causal mask tile per CTA list costs ~11 us: the kernels side by side).
 #
 # The summary names the commit from .commit (git-ignored): `git rev-parse --short HEAD > .commit`
 # and carry it with the upstream cache, e.g. carry [".cache/upstream", ".commit"].
@@ -167,6 +169,14 @@ for s in $STEPS; do
         ncu --import "$OUT/sparse-dense.ncu-rep" --page source --print-source sass --csv > "$LOGS/sparse-dense-sass.csv" 2>&1 \
             && gzip -c "$LOGS/sparse-dense-sass.csv" > "$OUT/sparse-dense-sass.csv.gz"
         note "ncu-source: $(ls -s "$OUT/sparse-dense.ncu-rep" 2>/dev/null | cut -d' ' -f1) KB report, $(wc -l < "$LOGS/sparse-dense-sass.csv") SASS lines" ;;
+    ncu-spec)  # per-SASS counters of the union pass (launch 2) and the speculative call (launch 3), B8 Sq16 1/16
+        step ncu-spec
+        timeout 300 ncu --set full --clock-control none -k regex:flash_fwd_sparse_kernel --launch-skip 2 --launch-count 2 \
+            -o "$OUT/spec" python3 benchmarks/profile_decode.py --ncu-target "B8 Sq16" --ncu-speculative > "$LOGS/ncu-spec.log" 2>&1
+        ncu --import "$OUT/spec.ncu-rep" --page source --print-source sass --csv > "$LOGS/spec-sass.csv" 2>&1 \
+            && gzip -c "$LOGS/spec-sass.csv" > "$OUT/spec-sass.csv.gz"
+        ncu --import "$OUT/spec.ncu-rep" --page details --csv > "$OUT/spec-details.csv" 2>&1
+        note "ncu-spec: $(wc -l < "$LOGS/spec-sass.csv") SASS lines, $(wc -l < "$OUT/spec-details.csv") detail rows" ;;
     fullbench)
         step fullbench
         timeout 900 python3 benchmarks/bench_sparse.py ${BENCH_METHODS:+--methods "$BENCH_METHODS"} --json "$OUT/bench.json" --markdown "$OUT/bench.md" > "$LOGS/bench.log" 2>&1

@@ -5,7 +5,9 @@ then each shape with every block listed beside upstream's dense FA-2 call.
     python benchmarks/profile_decode.py [--shapes "B8 Sq16"] [--ncu-target "B8 Sq16"]
 
 --ncu-target runs only a few plain calls of one shape at 1/16 density, for
-`ncu -k regex:flash_fwd_sparse ...` to profile (no graphs, no sweep).
+`ncu -k regex:flash_fwd_sparse ...` to profile (no graphs, no sweep); with --ncu-speculative,
+the union pass and the one-launch speculative call alternate (union first), so that launches
+2 and 3 are one of each.
 """
 
 import argparse
@@ -125,13 +127,23 @@ def main():
     parser.add_argument("--ncu-target", help="a shape name substring: run 5 plain calls at 1/16 for ncu")
     parser.add_argument("--ncu-dense", action="store_true",
                         help="with --ncu-target: every block listed, 3 calls, then 3 of upstream's dense flash_attn_func")
+    parser.add_argument("--ncu-speculative", action="store_true",
+                        help="with --ncu-target: 3 x (union pass, speculative call) at 1/16")
     args = parser.parse_args()
     sixteenth = [s for s in DECODE if s.density == 1 / 16]
     if args.ncu_target:
         density = 1.0 if args.ncu_dense else 1 / 16
         shape = next(s for s in DECODE if s.density == density and args.ncu_target in s.name)
         q, k, v = random_inputs(shape)
-        blocks = to_blocks(make_lists(shape, random.Random(0)), shape)
+        lists = make_lists(shape, random.Random(0))
+        if args.ncu_speculative:
+            missed, _, k_spec, v_spec, union = speculative_inputs(shape, k, v, lists[0][0])
+            for _ in range(3):
+                fas.flash_attn_with_sparse_block_table(q, k, v, union, backend="fa2")
+                fas.flash_attn_speculative_sparse(q, k_spec, v_spec, k, v, missed)
+            torch.cuda.synchronize()
+            return
+        blocks = to_blocks(lists, shape)
         for _ in range(3 if args.ncu_dense else 5):
             fas.flash_attn_with_sparse_block_table(q, k, v, blocks, backend="fa2")
         if args.ncu_dense:
