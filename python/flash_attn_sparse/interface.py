@@ -498,7 +498,8 @@ def flash_attn_speculative_sparse(q: Tensor, k_spec: Tensor, v_spec: Tensor, k: 
 
     Where the kernel allows (see _one_launch_refusal: k_spec/v_spec strided like k/v, a block
     size of at least one kernel tile, no mask lists in the missed set), both passes run as one
-    launch over the two sources, merged in the kernel's own split combine: the same result."""
+    launch over the two sources (the speculative blocks as causal mask blocks of k_spec): the
+    same attention over the union, merged by the kernel's online softmax and split combine."""
     batch = q.shape[0] if isinstance(q, Tensor) and q.dim() == 4 else 1
     missed = _as_blocks(sparse_block_table, block_size, batch, "sparse_block_table")
     if not isinstance(k_spec, Tensor) or k_spec.dim() != 4:
