@@ -52,23 +52,28 @@ _RETIRED_RAMPS = []  # outgrown ramps, kept: a captured CUDA graph may still rea
 
 def int_range(start: int, stop: int, device) -> Tensor:
     """int32 [start, stop) on device: a view of a cached ramp, so that the shared lists' counts
-    and the speculative blocks' ids cost no kernel per call. The ramp is made (and synchronised)
-    once per device and length class outside graph capture; while capturing or tracing, or on
-    CPU, a fresh tensor is made instead."""
+    and the speculative blocks' ids cost no kernel per call, also inside a captured CUDA graph
+    (where each such kernel was a graph node of its own). The ramp is made (and synchronised)
+    once per device and length class outside graph capture, and never freed (a graph may read
+    it); while capturing with no ramp long enough, while tracing, or on CPU, a fresh tensor is
+    made instead."""
     device = torch.device(device)
-    if device.type != "cuda" or torch.compiler.is_compiling() or torch.cuda.is_current_stream_capturing():
+    if device.type != "cuda" or torch.compiler.is_compiling():
         return torch.arange(start, stop, dtype=torch.int32, device=device)
     if device.index is None:  # "cuda" and "cuda:0" share one ramp
         device = torch.device("cuda", torch.cuda.current_device())
     ramp = _RAMPS.get(device)
-    if ramp is None or ramp.numel() < stop:
-        length = max(stop, 4096)
-        if ramp is not None:
-            _RETIRED_RAMPS.append(ramp)
-            length = max(length, 2 * ramp.numel())
-        ramp = torch.arange(length, dtype=torch.int32, device=device)
-        torch.cuda.current_stream(device).synchronize()  # other streams may read it next
-        _RAMPS[device] = ramp
+    if ramp is not None and ramp.numel() >= stop:
+        return ramp[start:stop]
+    if torch.cuda.is_current_stream_capturing():  # growing it would synchronise
+        return torch.arange(start, stop, dtype=torch.int32, device=device)
+    length = max(stop, 4096)
+    if ramp is not None:
+        _RETIRED_RAMPS.append(ramp)
+        length = max(length, 2 * ramp.numel())
+    ramp = torch.arange(length, dtype=torch.int32, device=device)
+    torch.cuda.current_stream(device).synchronize()  # other streams may read it next
+    _RAMPS[device] = ramp
     return ramp[start:stop]
 
 
