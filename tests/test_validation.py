@@ -142,6 +142,9 @@ BAD_CALLS = {
     "combine: lse shape": (lambda: fas.flash_attn_combine(torch.zeros(2, 1, 1, 4, 64), torch.zeros(2, 1, 1, 5)), "lse_partials"),
     "partials: no groups": (lambda: fas.flash_attn_sparse_partials(*qkv(), []), "block_groups"),
     "speculative: k_spec not 4-D": (lambda: fas.flash_attn_speculative_sparse(*qkv()[:1], qkv()[1][0], qkv()[2][0], *qkv()[1:], table(0)), "k_spec"),
+    "speculative: causal_spec not a bool": (lambda: fas.flash_attn_speculative_sparse(
+        qkv()[0], qkv(dim=D)[1][:, :128].contiguous(), qkv()[2][:, :128].contiguous(), *qkv()[1:], table(0), causal_spec="yes"),
+        "causal_spec"),
     "zero-copy: spec table int64": (lambda: fas.flash_attn_speculative_sparse_zero_copy(*qkv(), table(7, dtype=torch.int64), table(0)), "spec_block_table"),
     "varlen: cu_seqlens_q int64": (lambda: varlen_call(cu_seqlens_q=torch.tensor([0, 5, 135])), "cu_seqlens_q"),
     "varlen: batched lists": (lambda: varlen_call(blocks=lists()), "blocks"),

@@ -251,12 +251,16 @@ class _Call:
         self.mask_lists = None  # (mask_cnt, mask_idx) replacing the blocks' own; see use_mask_lists
         self.mask_source = None  # (k, v) the mask lists name blocks of, when not self.k / self.v
 
-    def use_mask_lists(self, shared: SparseBlocks, source: Optional[Tuple[Tensor, Tensor]] = None) -> None:
+    def use_mask_lists(self, shared: SparseBlocks, source: Optional[Tuple[Tensor, Tensor]] = None,
+                       causal: Optional[bool] = None) -> None:
         """Take the mask lists of `shared` (a from_block_table list, shared by every row) as this
         call's mask blocks, as stride-0 views (no padded copy), naming blocks of `source` (K, V)
-        if given: the speculative forms' one launch. The caller has checked what the kernel
+        if given: the speculative forms' one launch. `causal` (if given) replaces the call's
+        causal flag, which applies to mask blocks only. The caller has checked what the kernel
         needs (batched, unpaged, no mask lists of its own; for a source: its strides and a
         block size of at least one kernel tile)."""
+        if causal is not None:
+            self.causal = causal
         full_cnt, full_idx = self.blocks.full_cnt, self.blocks.full_idx
         self.mask_lists = (shared.mask_cnt.expand(full_cnt.shape),
                            shared.mask_idx.expand(*full_idx.shape[:3], shared.mask_idx.shape[-1]))
@@ -493,23 +497,26 @@ def flash_attn_speculative_sparse(q: Tensor, k_spec: Tensor, v_spec: Tensor, k: 
     """Speculative + repair: attention over the caller-gathered speculative K/V (k_spec, v_spec;
     it holds the diagonal, causal when causal_spec) merged exactly with attention over the
     missed blocks of the full K/V (sparse_block_table, all "full": every key visible to every
-    query row). Both passes write fp32 partials into one buffer; the split-KV combine kernel
-    merges them. Returns (out, lse) like flash_attn_with_sparse_block_table.
+    query row). Returns (out, lse) like flash_attn_with_sparse_block_table.
 
     Where the kernel allows (see _one_launch_refusal: k_spec/v_spec strided like k/v, a block
-    size of at least one kernel tile, no mask lists in the missed set), both passes run as one
-    launch over the two sources (the speculative blocks as causal mask blocks of k_spec): the
-    same attention over the union, merged by the kernel's online softmax and split combine."""
+    size of at least one kernel tile, no mask lists in the missed set), one launch: the missed
+    blocks are the call's "full" blocks and the speculative ones its "mask" blocks, read from
+    k_spec / v_spec. Otherwise two passes write fp32 partials into one buffer and the split-KV
+    combine kernel merges them. The same attention either way."""
     batch = q.shape[0] if isinstance(q, Tensor) and q.dim() == 4 else 1
     missed = _as_blocks(sparse_block_table, block_size, batch, "sparse_block_table")
     if not isinstance(k_spec, Tensor) or k_spec.dim() != 4:
         fail("k_spec", "must be a (batch, seqlen_spec, heads_k, head_dim) tensor")
+    if not isinstance(causal_spec, bool):
+        fail("causal_spec", f"must be a bool, got {causal_spec!r}")
     if _one_launch_refusal(q, k_spec, v_spec, k, v, missed) is None:
-        call = _Call(q, k, v, missed, causal=causal_spec, softmax_scale=softmax_scale, num_splits=num_splits,
+        # Validated as the two-pass form's missed pass (not causal: missed blocks are all visible).
+        call = _Call(q, k, v, missed, causal=False, softmax_scale=softmax_scale, num_splits=num_splits,
                      validate=validate)
         bs = missed.block_size
         spec = SparseBlocks.from_block_table(int_range(0, cdiv(k_spec.shape[1], bs), k_spec.device), bs, batch, kind="mask")
-        call.use_mask_lists(spec, source=(k_spec, v_spec))
+        call.use_mask_lists(spec, source=(k_spec, v_spec), causal=causal_spec)
         return call.run()
     spec_table = int_range(0, cdiv(k_spec.shape[1], 128), k_spec.device)
     spec = SparseBlocks.from_block_table(spec_table, 128, batch, kind="mask" if causal_spec else "full")
