@@ -2,7 +2,7 @@
 
 import torch
 
-from flash_attn_sparse.reference import attention_ref
+from flash_attn_sparse.reference import attention_ref, block_positions
 
 
 def random_qkv(batch, seqlen_q, seqlen_k, heads, heads_k, head_dim, dtype, device="cuda", generator=None):
@@ -62,3 +62,29 @@ def sparse_kernel_launches(fn):
         fn()
         torch.cuda.synchronize()
     return [e.name for e in prof.events() if "flash_fwd_sparse_kernel" in e.name]
+
+
+def missed_and_spec(n_blocks, n_spec, rng):
+    """The speculative set holds the last n_spec blocks (the diagonal); the missed set is a
+    permuted, gapped choice of earlier blocks."""
+    spec = list(range(n_blocks - n_spec, n_blocks))
+    missed = rng.sample(range(n_blocks - n_spec), (n_blocks - n_spec) // 3)
+    return spec, missed
+
+
+def gather_speculative(q, k, v, spec, missed, block_size):
+    """The gathered speculative K/V and the missed table of a two-pass call, and its reference's
+    keys, values and visibility: the missed keys (all visible), then the speculative keys (causal
+    within them)."""
+    seqlen_q, seqlen_k = q.shape[1], k.shape[1]
+    spec_pos = block_positions(spec, block_size, seqlen_k).to(q.device)
+    miss_pos = block_positions(missed, block_size, seqlen_k).to(q.device)
+    k_spec, v_spec = k[:, spec_pos].contiguous(), v[:, spec_pos].contiguous()
+    table = torch.tensor(missed, dtype=torch.int32, device=q.device)
+    keys = torch.cat([k[:, miss_pos], k_spec], dim=1)
+    values = torch.cat([v[:, miss_pos], v_spec], dim=1)
+    n_spec = spec_pos.numel()
+    visible = torch.ones(seqlen_q, keys.shape[1], dtype=torch.bool, device=q.device)
+    rows = torch.arange(seqlen_q, device=q.device)[:, None]
+    visible[:, miss_pos.numel():] = torch.arange(n_spec, device=q.device)[None, :] <= rows + n_spec - seqlen_q
+    return k_spec, v_spec, table, (keys, values, visible)

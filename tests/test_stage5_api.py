@@ -10,35 +10,10 @@ import torch
 import flash_attn_sparse as fas
 from flash_attn_sparse import ops
 from flash_attn_sparse.reference import attention_over_blocks, attention_ref, block_positions, combine_ref
-from helpers import assert_close_to_reference, max_err, poison_allocator, random_qkv, sparse_kernel_launches
+from helpers import (assert_close_to_reference, gather_speculative, max_err, missed_and_spec, poison_allocator, random_qkv,
+                     sparse_kernel_launches)
 
 pytestmark = [pytest.mark.stage5, pytest.mark.gpu]
-
-
-def missed_and_spec(n_blocks, n_spec, rng):
-    """The speculative set holds the last n_spec blocks (the diagonal); the missed set is a
-    permuted, gapped choice of earlier blocks."""
-    spec = list(range(n_blocks - n_spec, n_blocks))
-    missed = rng.sample(range(n_blocks - n_spec), (n_blocks - n_spec) // 3)
-    return spec, missed
-
-
-def gather_speculative(q, k, v, spec, missed, block_size):
-    """The gathered speculative K/V and the missed table of a two-pass call, and its reference's
-    keys, values and visibility: the missed keys (all visible), then the speculative keys (causal
-    within them)."""
-    seqlen_q, seqlen_k = q.shape[1], k.shape[1]
-    spec_pos = block_positions(spec, block_size, seqlen_k).to(q.device)
-    miss_pos = block_positions(missed, block_size, seqlen_k).to(q.device)
-    k_spec, v_spec = k[:, spec_pos].contiguous(), v[:, spec_pos].contiguous()
-    table = torch.tensor(missed, dtype=torch.int32, device=q.device)
-    keys = torch.cat([k[:, miss_pos], k_spec], dim=1)
-    values = torch.cat([v[:, miss_pos], v_spec], dim=1)
-    n_spec = spec_pos.numel()
-    visible = torch.ones(seqlen_q, keys.shape[1], dtype=torch.bool, device=q.device)
-    rows = torch.arange(seqlen_q, device=q.device)[:, None]
-    visible[:, miss_pos.numel():] = torch.arange(n_spec, device=q.device)[None, :] <= rows + n_spec - seqlen_q
-    return k_spec, v_spec, table, (keys, values, visible)
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])

@@ -16,7 +16,7 @@ import torch
 import flash_attn_sparse as fas
 from flash_attn_sparse import SparseBlocks
 from flash_attn_sparse.reference import visibility_from_lists
-from helpers import assert_close_to_reference, random_qkv
+from helpers import assert_close_to_reference, gather_speculative, missed_and_spec, random_qkv
 
 pytestmark = [pytest.mark.gpu, pytest.mark.stage5]
 
@@ -206,3 +206,35 @@ def test_paged_torch_compile_fullgraph_matches_eager():
     eager = attend(q, k_cache, v_cache, table, page_table, seqused_k)
     compiled = torch.compile(attend, fullgraph=True)(q, k_cache, v_cache, table, page_table, seqused_k)
     assert torch.equal(eager[0], compiled[0]) and torch.equal(eager[1], compiled[1])
+
+
+@pytest.mark.parametrize("page_size", [64, 256])
+def test_speculative_over_paged_kv(page_size):
+    """The speculative call with the missed blocks in paged caches (two passes: the one launch
+    is for unpaged K/V) equals attention over the union, and the same call on the contiguous K/V
+    (one launch) up to the merge's rounding."""
+    g = torch.Generator(device="cuda").manual_seed(page_size)
+    block_size, n_cols, seqlen_q = 128, 4096 // page_size, 16
+    q, k, v = random_qkv(BATCH, seqlen_q, n_cols * page_size, HEADS, HEADS_K, 128, torch.bfloat16, generator=g)
+    spec, missed = missed_and_spec(n_cols * page_size // block_size, 2, random.Random(page_size))
+    k_spec, v_spec, table, reference = gather_speculative(q, k, v, spec, missed, block_size)
+    k_cache, v_cache, page_table = page_out(k, v, page_size, torch.Generator().manual_seed(page_size))
+    for num_splits in (0, 3):
+        out, lse = fas.flash_attn_speculative_sparse(q, k_spec, v_spec, k_cache, v_cache, table, num_splits=num_splits,
+                                                     page_table=page_table)
+        assert_close_to_reference(out, lse, q, *reference)
+        contiguous = fas.flash_attn_speculative_sparse(q, k_spec, v_spec, k, v, table, num_splits=num_splits)
+        assert_close_to_reference(contiguous[0], contiguous[1], q, *reference)
+
+
+def test_partials_over_paged_kv_equal_contiguous_bitwise():
+    g = torch.Generator(device="cuda").manual_seed(11)
+    page_size, n_cols = 64, 30
+    q, k, v = random_qkv(BATCH, 16, n_cols * page_size, HEADS, HEADS_K, 128, torch.bfloat16, generator=g)
+    k_cache, v_cache, page_table = page_out(k, v, page_size, torch.Generator().manual_seed(11))
+    seqused_k = torch.tensor(SEQUSED, dtype=torch.int32, device="cuda")
+    groups = [torch.tensor(t, dtype=torch.int32, device="cuda") for t in ([0, 5, 11], [3], [7, 2])]
+    paged = fas.flash_attn_sparse_partials(q, k_cache, v_cache, groups, seqused_k=seqused_k, page_table=page_table)
+    contiguous = fas.flash_attn_sparse_partials(q, k, v, groups, seqused_k=seqused_k)
+    assert_bitwise_equal(paged[0], contiguous[0], "out_partials")
+    assert_bitwise_equal(paged[1], contiguous[1], "lse_partials")

@@ -423,17 +423,21 @@ def choose_backend(q: Tensor, k: Tensor, v: Tensor, blocks: BlockTable, block_si
 
 def flash_attn_sparse_partials(q: Tensor, k: Tensor, v: Tensor, block_groups: Sequence[BlockTable],
                                block_size: int = 128, softmax_scale: Optional[float] = None,
-                               causal: bool = False, validate: Optional[str] = None) -> Tuple[Tensor, Tensor]:
+                               causal: bool = False, validate: Optional[str] = None, *,
+                               seqused_k: Optional[Tensor] = None,
+                               page_table: Optional[Tensor] = None) -> Tuple[Tensor, Tensor]:
     """One (O, LSE) partial per group of blocks, unmerged: out_partials (G, batch, heads,
     seqlen_q, head_dim_rounded) fp32 and lse_partials (G, batch, heads, seqlen_q) fp32, in the
     layout flash_attn_combine takes. Groups should be disjoint for the merge to be attention
-    over their union."""
+    over their union. seqused_k and page_table (paged K/V caches) as in
+    flash_attn_with_sparse_block_table."""
     if not isinstance(block_groups, (list, tuple)) or not block_groups:
         fail("block_groups", "must be a non-empty list of block tables")
     if len(block_groups) > MAX_SPLITS:
         fail("block_groups", f"at most {MAX_SPLITS} groups, got {len(block_groups)}")
     calls = [_Call(q, k, v, _as_blocks(g, block_size, q.shape[0] if q.dim() == 4 else 1, f"block_groups[{i}]"),
-                   causal=causal, softmax_scale=softmax_scale, validate=validate, table_name=f"block_groups[{i}]")
+                   causal=causal, softmax_scale=softmax_scale, validate=validate, table_name=f"block_groups[{i}]",
+                   seqused_k=seqused_k, page_table=page_table)
              for i, g in enumerate(block_groups)]
     first = calls[0]
     out_partial, lse_partial = ops.partial_buffers(len(calls), first.batch, first.q.shape[2], first.max_seqlen_q,
@@ -471,10 +475,13 @@ def flash_attn_combine(out_partials: Tensor, lse_partials: Tensor, out_dtype: to
     return ops.combine(out_partials.contiguous(), lse_partials.contiguous(), out_dtype, head_dim, None, 0)
 
 
-def _one_launch_refusal(q: Tensor, k_spec, v_spec, k: Tensor, v: Tensor, missed: SparseBlocks) -> Optional[str]:
+def _one_launch_refusal(q: Tensor, k_spec, v_spec, k: Tensor, v: Tensor, missed: SparseBlocks,
+                        paged: bool = False) -> Optional[str]:
     """Why the speculative call cannot run as one launch over both sources (None if it can).
     The same conditions as mha_fwd_sparse's checks of a mask-block source; the two-pass form
     runs otherwise (and reports bad input)."""
+    if paged:
+        return "paged k and v (the kernel pages every tile alike)"
     if not all(isinstance(t, Tensor) and t.dim() == 4 for t in (q, k_spec, v_spec, k, v)):
         return "not batched 4-D tensors"
     if missed.is_varlen or missed.mask_cnt is not None:
@@ -493,11 +500,14 @@ def _one_launch_refusal(q: Tensor, k_spec, v_spec, k: Tensor, v: Tensor, missed:
 def flash_attn_speculative_sparse(q: Tensor, k_spec: Tensor, v_spec: Tensor, k: Tensor, v: Tensor,
                                   sparse_block_table: BlockTable, softmax_scale: Optional[float] = None,
                                   causal_spec: bool = True, block_size: int = 128, num_splits: int = 0,
-                                  validate: Optional[str] = None) -> Tuple[Tensor, Tensor]:
+                                  validate: Optional[str] = None, *, seqused_k: Optional[Tensor] = None,
+                                  page_table: Optional[Tensor] = None) -> Tuple[Tensor, Tensor]:
     """Speculative + repair: attention over the caller-gathered speculative K/V (k_spec, v_spec;
     it holds the diagonal, causal when causal_spec) merged exactly with attention over the
     missed blocks of the full K/V (sparse_block_table, all "full": every key visible to every
-    query row). Returns (out, lse) like flash_attn_with_sparse_block_table.
+    query row). Returns (out, lse) like flash_attn_with_sparse_block_table. seqused_k and
+    page_table describe k and v (paged caches) as in flash_attn_with_sparse_block_table; k_spec
+    and v_spec stay contiguous (batch, seqlen_spec, heads_k, head_dim).
 
     Where the kernel allows (see _one_launch_refusal: k_spec/v_spec strided like k/v, a block
     size of at least one kernel tile, no mask lists in the missed set), one launch: the missed
@@ -510,10 +520,10 @@ def flash_attn_speculative_sparse(q: Tensor, k_spec: Tensor, v_spec: Tensor, k: 
         fail("k_spec", "must be a (batch, seqlen_spec, heads_k, head_dim) tensor")
     if not isinstance(causal_spec, bool):
         fail("causal_spec", f"must be a bool, got {causal_spec!r}")
-    if _one_launch_refusal(q, k_spec, v_spec, k, v, missed) is None:
+    if _one_launch_refusal(q, k_spec, v_spec, k, v, missed, paged=page_table is not None) is None:
         # Validated as the two-pass form's missed pass (not causal: missed blocks are all visible).
         call = _Call(q, k, v, missed, causal=False, softmax_scale=softmax_scale, num_splits=num_splits,
-                     validate=validate)
+                     validate=validate, seqused_k=seqused_k)
         bs = missed.block_size
         spec = SparseBlocks.from_block_table(int_range(0, cdiv(k_spec.shape[1], bs), k_spec.device), bs, batch, kind="mask")
         call.use_mask_lists(spec, source=(k_spec, v_spec), causal=causal_spec)
@@ -523,7 +533,7 @@ def flash_attn_speculative_sparse(q: Tensor, k_spec: Tensor, v_spec: Tensor, k: 
     spec_call = _Call(q, k_spec, v_spec, spec, causal=causal_spec, softmax_scale=softmax_scale, num_splits=num_splits,
                       validate=validate, table_name="k_spec")
     missed_call = _Call(q, k, v, missed, causal=False, softmax_scale=softmax_scale, num_splits=num_splits,
-                        validate=validate)
+                        validate=validate, seqused_k=seqused_k, page_table=page_table)
     spec_splits = spec_call.num_splits()
     missed_splits = missed_call.num_splits()
     if spec_splits + missed_splits > MAX_SPLITS:
