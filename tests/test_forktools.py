@@ -231,6 +231,18 @@ def test_real_flash_attn_sdist_unpacks_and_its_version_is_checked(tmp_path: Path
         upstream.record_tree(layout, "flash-attn", tree)
 
 
+@pytest.mark.skipif(not REAL_SDIST.exists(), reason=f"{REAL_SDIST} absent (run `nox -s upstream`)")
+@pytest.mark.parametrize("mutation", sorted((REPO / "tests" / "mutations").glob("*.patch")), ids=lambda p: p.name)
+def test_mutations_apply_to_the_patched_tree(mutation: Path, tmp_path: Path):
+    """A mutation whose context drifted from the kernel would fail the GPU session's mutant build;
+    here it fails on CPU first."""
+    real = Layout.at(REPO)
+    layout = Layout(root=real.root, lock=real.lock, cache=REAL_SDIST.parent, trees=tmp_path / "trees", patches=real.patches)
+    tree = tmp_path / "flash-attn"
+    series.materialize(layout, "flash-attn", tree)
+    patchfile.apply_diff(patchfile.split_description(mutation.read_bytes()), tree, str(mutation))
+
+
 # --- apply, export, check --------------------------------------------------------------------
 
 def test_series_and_patch_files_have_the_agreed_format(exported: Layout):
