@@ -91,6 +91,17 @@ run_tests() {  # name, pytest args...
     note "pytest $name: $(tail -1 "$LOGS/pytest-$name.log")"
 }
 
+ncu_sass() {  # name, kernels to profile, profile_decode.py args...: ncu --set full, the report and its per-SASS CSV
+    local name=$1 count=$2; shift 2
+    step "ncu $name"
+    timeout 300 ncu --set full --clock-control none -k regex:flash_fwd_sparse_kernel --launch-skip 2 --launch-count "$count" \
+        -o "$OUT/$name" python3 benchmarks/profile_decode.py "$@" > "$LOGS/ncu-$name.log" 2>&1
+    ncu --import "$OUT/$name.ncu-rep" --page source --print-source sass --csv > "$LOGS/$name-sass.csv" 2>&1 \
+        && gzip -c "$LOGS/$name-sass.csv" > "$OUT/$name-sass.csv.gz"
+    ncu --import "$OUT/$name.ncu-rep" --page details --csv > "$OUT/$name-details.csv" 2>&1  # readable without ncu
+    note "ncu $name: $(ls -s "$OUT/$name.ncu-rep" 2>/dev/null | cut -d' ' -f1) KB report, $(wc -l < "$LOGS/$name-sass.csv") SASS lines"
+}
+
 for s in $STEPS; do
     case $s in
     tests)
@@ -163,20 +174,9 @@ for s in $STEPS; do
         done
         note "ncu-dense: $(wc -l < "$OUT/ncu-dense.txt") lines" ;;
     ncu-source)  # per-instruction (SASS) counters and stall samples of the sparse kernel, every block listed, B1 Sq1 Sk128k
-        step ncu-source
-        timeout 300 ncu --set full --clock-control none -k regex:flash_fwd_sparse_kernel --launch-skip 2 --launch-count 1 \
-            -o "$OUT/sparse-dense" python3 benchmarks/profile_decode.py --ncu-target "B1 Sq1" --ncu-dense > "$LOGS/ncu-source.log" 2>&1
-        ncu --import "$OUT/sparse-dense.ncu-rep" --page source --print-source sass --csv > "$LOGS/sparse-dense-sass.csv" 2>&1 \
-            && gzip -c "$LOGS/sparse-dense-sass.csv" > "$OUT/sparse-dense-sass.csv.gz"
-        note "ncu-source: $(ls -s "$OUT/sparse-dense.ncu-rep" 2>/dev/null | cut -d' ' -f1) KB report, $(wc -l < "$LOGS/sparse-dense-sass.csv") SASS lines" ;;
-    ncu-spec)  # per-SASS counters of the union pass (launch 2) and the speculative call (launch 3), B8 Sq16 1/16
-        step ncu-spec
-        timeout 300 ncu --set full --clock-control none -k regex:flash_fwd_sparse_kernel --launch-skip 2 --launch-count 2 \
-            -o "$OUT/spec" python3 benchmarks/profile_decode.py --ncu-target "B8 Sq16" --ncu-speculative > "$LOGS/ncu-spec.log" 2>&1
-        ncu --import "$OUT/spec.ncu-rep" --page source --print-source sass --csv > "$LOGS/spec-sass.csv" 2>&1 \
-            && gzip -c "$LOGS/spec-sass.csv" > "$OUT/spec-sass.csv.gz"
-        ncu --import "$OUT/spec.ncu-rep" --page details --csv > "$OUT/spec-details.csv" 2>&1
-        note "ncu-spec: $(wc -l < "$LOGS/spec-sass.csv") SASS lines, $(wc -l < "$OUT/spec-details.csv") detail rows" ;;
+        ncu_sass sparse-dense 1 --ncu-target "B1 Sq1" --ncu-dense ;;
+    ncu-spec)  # the same for the union pass (launch 2) and the speculative call (launch 3), B8 Sq16 1/16
+        ncu_sass spec 2 --ncu-target "B8 Sq16" --ncu-speculative ;;
     fullbench)
         step fullbench
         timeout 900 python3 benchmarks/bench_sparse.py ${BENCH_METHODS:+--methods "$BENCH_METHODS"} --json "$OUT/bench.json" --markdown "$OUT/bench.md" > "$LOGS/bench.log" 2>&1

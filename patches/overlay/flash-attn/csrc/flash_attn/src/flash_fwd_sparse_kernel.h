@@ -555,13 +555,14 @@ inline __device__ void compute_attn_1rowblock_sparse(const Params &params, const
     };
     // Where a tile's keys come from: K/V, or (its entry a mask entry) the mask blocks' own source,
     // whose rows lie a fixed distance away (the host keeps a tile within one entry then).
+    auto in_mask_source = [&](const int tile) {
+        return params.sparse_mask_seqlen_k > 0 && ((tile * kBlockN) >> list.block_size_log2) < list.mask_cnt;
+    };
     auto k_shift = [&](const int tile) {
-        const bool second = params.sparse_mask_seqlen_k > 0 && ((tile * kBlockN) >> list.block_size_log2) < list.mask_cnt;
-        return second ? params.sparse_mask_k_shift + bidb * params.sparse_mask_k_batch_shift : int64_t(0);
+        return in_mask_source(tile) ? params.sparse_mask_k_shift + bidb * params.sparse_mask_k_batch_shift : int64_t(0);
     };
     auto v_shift = [&](const int tile) {
-        const bool second = params.sparse_mask_seqlen_k > 0 && ((tile * kBlockN) >> list.block_size_log2) < list.mask_cnt;
-        return second ? params.sparse_mask_v_shift + bidb * params.sparse_mask_v_batch_shift : int64_t(0);
+        return in_mask_source(tile) ? params.sparse_mask_v_shift + bidb * params.sparse_mask_v_batch_shift : int64_t(0);
     };
     // Strided views of K and V from row 0, partitioned once; a tile's copy moves the base.
     Tensor tKgK = gmem_thr_copy_QKV.partition_S(make_tensor(gK0.data(), Shape<Int<kBlockN>, Int<kHeadDim>>{}, make_stride(params.k_row_stride, _1{})));

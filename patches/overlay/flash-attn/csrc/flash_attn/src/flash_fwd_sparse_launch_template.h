@@ -76,6 +76,10 @@ struct Sparse_decode_kernel_traits
                                                          GmemLayoutAtomOaccum{}, Layout<Shape<_1, _4>>{}));
 };
 
+// The 64-row, 4-warp tile: the tile shape of the dense split-KV kernel.
+template<int Headdim, typename T>
+using Sparse_narrow_kernel_traits = Flash_fwd_kernel_traits<Headdim, kSparseNarrowBlockM, sparse_max_tile_keys(Headdim), 4, false, false, T>;
+
 template<typename Traits>
 void run_flash_sparse_fwd_split_or_not(Flash_fwd_params &params, cudaStream_t stream, bool split) {
     if (split) {
@@ -93,14 +97,14 @@ void run_mha_fwd_sparse_narrow_(Flash_fwd_params &params, cudaStream_t stream, b
     if (sparse_decode_tile(params)) {
         run_flash_sparse_fwd_split_or_not<Sparse_decode_kernel_traits<Headdim, T>>(params, stream, split);
     } else {
-        run_flash_sparse_fwd_split_or_not<Flash_fwd_kernel_traits<Headdim, kSparseNarrowBlockM, Headdim <= 64 ? 256 : (Headdim <= 128 ? 128 : 64), 4, false, false, T>>(params, stream, split);
+        run_flash_sparse_fwd_split_or_not<Sparse_narrow_kernel_traits<Headdim, T>>(params, stream, split);
     }
 }
 
 // The split-KV combine kernel over params.num_splits slots of oaccum / lseaccum.
 template<typename T, int Headdim>
 void run_mha_combine_(Flash_fwd_params &params, cudaStream_t stream) {
-    using Kernel_traits = Flash_fwd_kernel_traits<Headdim, 64, Headdim <= 64 ? 256 : (Headdim <= 128 ? 128 : 64), 4, false, false, T>;
+    using Kernel_traits = Sparse_narrow_kernel_traits<Headdim, T>;  // as the split kernel that wrote the partials
     constexpr static int kBlockM = Kernel_traits::kHeadDim % 128 == 0 ? 4 : (Kernel_traits::kHeadDim % 64 == 0 ? 8 : 16);
     dim3 grid_combine((params.b * params.h * params.seqlen_q + kBlockM - 1) / kBlockM);
     const bool is_even_K = params.d == Kernel_traits::kHeadDim;

@@ -25,9 +25,9 @@ constexpr int kSparseDecodeBlockM = 16;
 constexpr long kSparseDecodeMinListKeys = 16384;
 constexpr long kSparseDecodeMinTotalKeys = 1L << 20;
 
-// Keys per tile (kBlockN) of the largest-tile kernel a call of this head dim can take: the
-// 64-row kernel's (run_mha_fwd_sparse_narrow_; the 128-row and 16-row kernels' are no larger).
-inline int sparse_max_tile_keys(const int head_size) { return head_size <= 64 ? 256 : (head_size <= 128 ? 128 : 64); }
+// Keys per tile (kBlockN) of the 64-row kernel (run_mha_fwd_sparse_narrow_), the largest tile a
+// call of this head dim can take: the 128-row and 16-row kernels' are no larger.
+constexpr int sparse_max_tile_keys(const int head_size) { return head_size <= 64 ? 256 : (head_size <= 128 ? 128 : 64); }
 
 // The longest list is bounded from shapes, as flash_attn_sparse.metadata.max_list_length does;
 // flash_attn_sparse.interface._decode_tile makes the same choice when it picks the split count.
