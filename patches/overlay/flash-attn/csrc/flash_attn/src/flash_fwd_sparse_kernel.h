@@ -322,6 +322,33 @@ __forceinline__ __device__ void apply_sparse_mask(Tensor<Engine, Layout> &acc_s,
     }
 }
 
+// The causal mask of a whole tile of one valid block, first key position first_key: column c is
+// key first_key + c, so a row hides the columns past its last visible key minus first_key. One
+// limit per row and a compare-and-select per score, as upstream's causal mask; the general
+// apply_sparse_mask, which looks each column up, compiled to branches around every score and
+// made such a tile cost several unmasked ones (run 26: ~11 us against ~2 at B8 Sq16).
+template <typename Engine, typename Layout>
+__forceinline__ __device__ void apply_causal_mask_whole_tile(Tensor<Engine, Layout> &acc_s, const int first_key,
+                                                             const SparseTileRows &rows, const int row_idx_offset,
+                                                             const int warp_row_stride, const int diagonal_offset) {
+    Tensor tensor = make_tensor(acc_s.data(), FLASH_NAMESPACE::convert_layout_acc_rowcol(acc_s.layout()));
+    const int col_offset = (threadIdx.x % 32 % 4) * 2;
+    #pragma unroll
+    for (int mi = 0; mi < size<0, 1>(tensor); ++mi) {
+        #pragma unroll
+        for (int i = 0; i < size<0, 0>(tensor); ++i) {
+            const int last_col = rows.position(row_idx_offset + mi * warp_row_stride + i * 8) + diagonal_offset - first_key;
+            #pragma unroll
+            for (int nj = 0; nj < size<1, 1>(tensor); ++nj) {
+                #pragma unroll
+                for (int j = 0; j < size<1, 0>(tensor); ++j) {
+                    if (col_offset + nj * 8 + j > last_col) { tensor(make_coord(i, mi), make_coord(j, nj)) = -INFINITY; }
+                }
+            }
+        }
+    }
+}
+
 ////////////////////////////////////////////////////////////////////////////////////////////////////
 
 // Where a tile's output goes: O (Split=false) or the fp32 partial slot (Split=true), and LSE.
@@ -576,21 +603,24 @@ inline __device__ void compute_attn_1rowblock_sparse(const Params &params, const
     // A whole tile of a mask block needs the causal mask only if one of its keys lies after the
     // diagonal of the tile's first (lowest-position) row; the other mask-block tiles are fully
     // visible and take the unmasked path, as upstream masks only its diagonal tiles. (The
-    // speculative forms list several mask blocks of which one holds the diagonal.)
-    const int first_row_last_visible = rows.position(0) + list.mask_seqlen_k - binfo.actual_seqlen_q;
-    auto tile_crosses_diagonal = [&](const int tile, const int blk) {
+    // speculative forms list several mask blocks of which one holds the diagonal.) A tile that
+    // does cross it is masked from its first key alone (apply_causal_mask_whole_tile).
+    const int diagonal_offset = list.mask_seqlen_k - binfo.actual_seqlen_q;  // bottom-right aligned
+    const int first_row_last_visible = rows.position(0) + diagonal_offset;
+    // The first key of a whole tile that crosses the diagonal, else -1.
+    auto diagonal_tile_first_key = [&](const int tile, const int blk) {
         const int e = (tile * kBlockN) >> list.block_size_log2;
-        const int last_key = (blk << list.block_size_log2) + ((tile * kBlockN) & (list.block_size - 1)) + kBlockN - 1;
-        return params.is_causal && e < list.mask_cnt && last_key > first_row_last_visible;
+        const int first_key = (blk << list.block_size_log2) + ((tile * kBlockN) & (list.block_size - 1));
+        return params.is_causal && e < list.mask_cnt && first_key + kBlockN - 1 > first_row_last_visible ? first_key : -1;
     };
     int tile = tile_max - 1;
     int positions[kRowsPerThread];
     int start = -1;
-    bool crosses_diagonal = false;  // of the current tile, when whole (start >= 0)
+    int diagonal_first_key = -1;  // of the current tile, when whole (start >= 0)
     if (whole_tiles) {
         const int blk = tile_block(tile);
         start = tile_keys(tile, blk, positions);
-        crosses_diagonal = tile_crosses_diagonal(tile, blk);
+        diagonal_first_key = diagonal_tile_first_key(tile, blk);
     } else {
         tile_positions(tile, positions);
     }
@@ -620,10 +650,14 @@ inline __device__ void compute_attn_1rowblock_sparse(const Params &params, const
                               smem_thr_copy_Q, smem_thr_copy_K);
         // A whole valid tile needs a mask only where it crosses the causal diagonal; only row-path
         // tiles need the list scan.
-        const bool masked = start >= 0 ? crosses_diagonal : list.needs_mask(tile * kBlockN, kBlockN, params.is_causal);
+        const bool masked = start >= 0 ? diagonal_first_key >= 0 : list.needs_mask(tile * kBlockN, kBlockN, params.is_causal);
         const int next_start = tile > tile_min && whole_tiles ? tile_keys(tile - 1, next_blk, next_positions) : -1;
         if (masked) {
-            apply_sparse_mask(acc_s, list, tile * kBlockN, kBlockN, params.is_causal, rows, row_idx_offset, kNWarps * 16, binfo.actual_seqlen_q);
+            if (start >= 0) {
+                apply_causal_mask_whole_tile(acc_s, diagonal_first_key, rows, row_idx_offset, kNWarps * 16, diagonal_offset);
+            } else {
+                apply_sparse_mask(acc_s, list, tile * kBlockN, kBlockN, params.is_causal, rows, row_idx_offset, kNWarps * 16, binfo.actual_seqlen_q);
+            }
         }
 
         FLASH_NAMESPACE::cp_async_wait<0>();
@@ -633,7 +667,7 @@ inline __device__ void compute_attn_1rowblock_sparse(const Params &params, const
             // The fence stays inside the branch, as upstream's: the wait<0> above counts on it.
             cute::cp_async_fence();
             start = next_start;
-            crosses_diagonal = next_start >= 0 && tile_crosses_diagonal(tile - 1, next_blk);
+            diagonal_first_key = next_start >= 0 ? diagonal_tile_first_key(tile - 1, next_blk) : -1;
             if (next_start < 0) {
                 #pragma unroll
                 for (int m = 0; m < kRowsPerThread; ++m) { positions[m] = next_positions[m]; }
