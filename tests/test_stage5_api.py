@@ -146,9 +146,13 @@ def test_partials_and_combine_equal_one_pass(groups):
     assert max_err(out, one_out) <= 2e-2 and max_err(lse, one_lse) <= 1e-4
 
 
-def test_combine_kernel_matches_reference_combine_with_empty_partials():
-    g = torch.Generator(device="cuda").manual_seed(1)
-    slots, batch, heads, seqlen_q, head_dim = 5, 2, 4, 16, 128
+# Rows and splits that take the combine kernel's four-warp rows (few rows), its one-warp rows
+# (many rows), and more splits than one round of loads holds (32 per four-warp row, 8 per warp).
+@pytest.mark.parametrize("slots,batch,heads", [(5, 2, 4), (70, 1, 2), (40, 4, 32)])
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_combine_kernel_matches_reference_combine_with_empty_partials(slots, batch, heads, head_dim):
+    g = torch.Generator(device="cuda").manual_seed(slots + head_dim)
+    seqlen_q = 16
     out_p = torch.randn(slots, batch, heads, seqlen_q, head_dim, generator=g, device="cuda")
     lse_p = torch.randn(slots, batch, heads, seqlen_q, generator=g, device="cuda") * 3
     lse_p[1] = float("-inf")          # one empty partial everywhere

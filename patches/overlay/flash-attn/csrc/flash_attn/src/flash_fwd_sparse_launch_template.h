@@ -10,8 +10,9 @@
 #include "static_switch.h"
 #include "flash.h"
 #include "flash_sparse.h"
-#include "flash_fwd_launch_template.h"  // the split-KV combine kernel
+#include "flash_fwd_launch_template.h"
 #include "flash_fwd_sparse_kernel.h"
+#include "flash_sparse_combine.h"
 
 namespace FLASH_NAMESPACE {
 
@@ -101,31 +102,11 @@ void run_mha_fwd_sparse_narrow_(Flash_fwd_params &params, cudaStream_t stream, b
     }
 }
 
-// The split-KV combine kernel over params.num_splits slots of oaccum / lseaccum.
+// The merge of params.num_splits slots of oaccum / lseaccum (flash_sparse_combine.h).
 template<typename T, int Headdim>
 void run_mha_combine_(Flash_fwd_params &params, cudaStream_t stream) {
-    using Kernel_traits = Sparse_narrow_kernel_traits<Headdim, T>;  // as the split kernel that wrote the partials
-    constexpr static int kBlockM = Kernel_traits::kHeadDim % 128 == 0 ? 4 : (Kernel_traits::kHeadDim % 64 == 0 ? 8 : 16);
-    dim3 grid_combine((params.b * params.h * params.seqlen_q + kBlockM - 1) / kBlockM);
-    const bool is_even_K = params.d == Kernel_traits::kHeadDim;
-    EVENK_SWITCH(is_even_K, IsEvenKConst, [&] {
-        if (params.num_splits <= 2) {
-            flash_fwd_splitkv_combine_kernel<Kernel_traits, kBlockM, 1, IsEvenKConst><<<grid_combine, Kernel_traits::kNThreads, 0, stream>>>(params);
-        } else if (params.num_splits <= 4) {
-            flash_fwd_splitkv_combine_kernel<Kernel_traits, kBlockM, 2, IsEvenKConst><<<grid_combine, Kernel_traits::kNThreads, 0, stream>>>(params);
-        } else if (params.num_splits <= 8) {
-            flash_fwd_splitkv_combine_kernel<Kernel_traits, kBlockM, 3, IsEvenKConst><<<grid_combine, Kernel_traits::kNThreads, 0, stream>>>(params);
-        } else if (params.num_splits <= 16) {
-            flash_fwd_splitkv_combine_kernel<Kernel_traits, kBlockM, 4, IsEvenKConst><<<grid_combine, Kernel_traits::kNThreads, 0, stream>>>(params);
-        } else if (params.num_splits <= 32) {
-            flash_fwd_splitkv_combine_kernel<Kernel_traits, kBlockM, 5, IsEvenKConst><<<grid_combine, Kernel_traits::kNThreads, 0, stream>>>(params);
-        } else if (params.num_splits <= 64) {
-            flash_fwd_splitkv_combine_kernel<Kernel_traits, kBlockM, 6, IsEvenKConst><<<grid_combine, Kernel_traits::kNThreads, 0, stream>>>(params);
-        } else {
-            flash_fwd_splitkv_combine_kernel<Kernel_traits, kBlockM, 7, IsEvenKConst><<<grid_combine, Kernel_traits::kNThreads, 0, stream>>>(params);
-        }
-        C10_CUDA_KERNEL_LAUNCH_CHECK();
-    });
+    run_sparse_combine<T, Headdim>(params, stream);
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
 }  // namespace FLASH_NAMESPACE
