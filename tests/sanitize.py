@@ -85,6 +85,10 @@ def cases():
     print("speculative one launch: ok", flush=True)
     parts = fas.flash_attn_sparse_partials(q, k, v, [torch.tensor(t, dtype=torch.int32, device="cuda") for t in ([1, 2], [], [7])], block_size=block)
     fas.flash_attn_combine(*parts)
+    # Many rows (4 x 32 x 16): the combine kernel's one-warp-per-row form; 40 splits: several rounds.
+    lse_many = torch.randn(40, 4, 32, 16, generator=g, device="cuda")
+    lse_many[3] = float("-inf")
+    fas.flash_attn_combine(torch.randn(40, 4, 32, 16, dim, generator=g, device="cuda"), lse_many)
     print("partials + combine: ok", flush=True)
     torch.cuda.synchronize()
 
