@@ -35,7 +35,7 @@ def timed(fn):
 
 
 def short(name: str) -> str:
-    for key in ("flash_fwd_sparse_kernel", "flash_fwd_splitkv_combine_kernel", "fill", "arange", "copy", "pad", "cat"):
+    for key in ("flash_fwd_sparse_kernel", "flash_sparse_combine_kernel", "flash_fwd_splitkv_combine_kernel", "fill", "arange", "copy", "pad", "cat"):
         if key in name:
             return key
     return name[:40]

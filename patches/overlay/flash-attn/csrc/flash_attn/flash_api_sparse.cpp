@@ -266,7 +266,6 @@ std::vector<at::Tensor> mha_fwd_sparse(
     // Causality applies to "mask" blocks only; the window fields stay those of a non-causal call.
     params.is_causal = is_causal;
     params.total_q = total_q;
-    params.combine_empty_lse_is_neg_inf = true;
 
     params.sparse_full_cnt = full_cnt.data_ptr<int>();
     params.sparse_full_idx = full_idx.data_ptr<int>();
@@ -406,7 +405,6 @@ void mha_combine(const at::Tensor &out_partial, const at::Tensor &lse_partial,
     params.softmax_lse_ptr = softmax_lse.data_ptr();
     params.unpadded_lse = varlen;
     params.cu_seqlens_q = varlen ? cu_seqlens_q_->data_ptr<int>() : nullptr;
-    params.combine_empty_lse_is_neg_inf = true;
     if (out.numel() == 0) { return; }
     run_combine(params, at::cuda::getCurrentCUDAStream().stream());
 }

@@ -10,7 +10,7 @@
 #include "static_switch.h"
 #include "flash.h"
 #include "flash_sparse.h"
-#include "flash_fwd_launch_template.h"
+#include "flash_fwd_launch_template.h"  // KERNEL_PARAM_MODIFIER, ARCH_SUPPORTS_FLASH, upstream traits
 #include "flash_fwd_sparse_kernel.h"
 #include "flash_sparse_combine.h"
 

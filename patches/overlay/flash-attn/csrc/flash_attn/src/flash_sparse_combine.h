@@ -11,11 +11,11 @@
  * CTA barrier; four warps per row there left the GPU's warp slots too few for the rows and made
  * the merge slower than upstream's (B8 Sq16 H32, 4096 rows: 5.8 -> 10.7 us, run 27).
  *
- * Same contract as upstream's combine with the stage-6 patch: varlen rows past a sequence's
- * length are neither read nor written, a row no partial saw gets O = 0 and LSE = -inf
- * (combine_empty_lse_is_neg_inf) or +inf, and partials whose LSE is -inf are not merged. The
- * accumulation order differs from upstream's (per warp, then across warps), so results match it
- * to rounding, not bitwise; repeated calls are bitwise equal.
+ * The sparse contract, which upstream's combine does not keep: varlen rows past a sequence's
+ * length are neither read nor written (upstream combines only padded rows), and a row no partial
+ * saw gets O = 0 and LSE = -inf, the neutral element of a later merge (upstream writes +inf).
+ * Partials whose LSE is -inf are not merged. The accumulation order differs from upstream's (per
+ * warp, then across warps), so results match it to rounding; repeated calls are bitwise equal.
  ******************************************************************************/
 
 #pragma once
@@ -132,7 +132,7 @@ flash_sparse_combine_kernel(const __grid_constant__ Flash_fwd_params params) {
     #pragma unroll
     for (int s = 0; s < kSplitsPerThread; ++s) { sum += lse[s] == -INFINITY ? 0.f : expf(lse[s] - max_shift); }
     sum = row_reduce<kWarpsPerRow>(sum, s_reduce, warp_in_row, lane, [](float a, float b) { return a + b; });
-    // A row that no split saw: +inf here makes every scale 0, as in upstream's combine.
+    // A row that no split saw: +inf here makes every scale 0; its LSE is written as -inf.
     const float lse_final = (sum == 0.f || sum != sum) ? INFINITY : logf(sum) + max_shift;
     #pragma unroll
     for (int s = 0; s < kSplitsPerThread; ++s) {
@@ -140,7 +140,7 @@ flash_sparse_combine_kernel(const __grid_constant__ Flash_fwd_params params) {
         s_scale[row_in_cta][split] = split < num_splits ? expf(lse[s] - lse_final) : 0.f;
     }
     if (thread_in_row == 0) {
-        const float written = lse_final == INFINITY && params.combine_empty_lse_is_neg_inf ? -INFINITY : lse_final;
+        const float written = lse_final == INFINITY ? -INFINITY : lse_final;
         float *lse_out = reinterpret_cast<float *>(params.softmax_lse_ptr);
         if (params.cu_seqlens_q != nullptr) {  // varlen: LSE is (h, total_q), as the sparse calls set unpadded_lse
             lse_out[size_t(head) * params.total_q + q_row] = written;
