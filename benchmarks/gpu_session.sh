@@ -64,6 +64,9 @@ export FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED=1 FLASH_ATTENTION_CUTE_DSL_CACHE_D
 
 step build
 start=$(date +%s)
+# A wheel carried back from an earlier call (.carry/wheel/dist-wheel.tar, as $OUT returns it) is
+# reused when its label (the hash of the patched tree and build profile) is this commit's.
+if [ -f .carry/wheel/dist-wheel.tar ]; then mkdir -p dist && tar xf .carry/wheel/dist-wheel.tar -C dist; fi
 PYTHONPATH=python python3 -m forktools upstream --offline > "$LOGS/upstream.log" 2>&1 || { note "upstream cache: FAILED"; cat "$LOGS/upstream.log"; exit 1; }
 PYTHONPATH=python python3 -m forktools build --profile dev --jobs "$(nproc)" --reuse 2>&1 | tee "$LOGS/build.log" | grep -v '^  \[' || true
 cp build/logs/build-dev.log "$LOGS/build-full.log" 2>/dev/null
