@@ -449,7 +449,7 @@ def flash_attn_sparse_partials(q: Tensor, k: Tensor, v: Tensor, block_groups: Se
 
 def flash_attn_combine(out_partials: Tensor, lse_partials: Tensor, out_dtype: torch.dtype = torch.bfloat16,
                        head_dim: Optional[int] = None) -> Tuple[Tensor, Tensor]:
-    """Exact k-way merge of (O, LSE) partials with the split-KV combine kernel.
+    """Exact k-way merge of (O, LSE) partials with the sparse combine kernel (flash_sparse_combine.h).
 
     out_partials (S, batch, heads, seqlen_q, head_dim_rounded) fp32, lse_partials (S, batch,
     heads, seqlen_q) fp32, S <= 128; partials with LSE = -inf contribute nothing. Returns out
@@ -512,7 +512,7 @@ def flash_attn_speculative_sparse(q: Tensor, k_spec: Tensor, v_spec: Tensor, k: 
     Where the kernel allows (see _one_launch_refusal: k_spec/v_spec strided like k/v, a block
     size of at least one kernel tile, no mask lists in the missed set), one launch: the missed
     blocks are the call's "full" blocks and the speculative ones its "mask" blocks, read from
-    k_spec / v_spec. Otherwise two passes write fp32 partials into one buffer and the split-KV
+    k_spec / v_spec. Otherwise two passes write fp32 partials into one buffer and the sparse
     combine kernel merges them. The same attention either way."""
     batch = q.shape[0] if isinstance(q, Tensor) and q.dim() == 4 else 1
     missed = _as_blocks(sparse_block_table, block_size, batch, "sparse_block_table")
