@@ -266,6 +266,13 @@ class _Call:
                            shared.mask_idx.expand(*full_idx.shape[:3], shared.mask_idx.shape[-1]))
         self.mask_source = source
 
+    def effective_blocks(self) -> SparseBlocks:
+        """The lists this call runs: its blocks, with the shared mask lists of use_mask_lists."""
+        if self.mask_lists is None:
+            return self.blocks
+        b = self.blocks
+        return SparseBlocks(b.full_cnt, b.full_idx, *self.mask_lists, block_size=b.block_size, q_block_size=b.q_block_size)
+
     def max_list_length(self) -> int:
         """A bound of a row's total count from shapes, as sparse_decode_tile computes it."""
         full = self.blocks.max_list_length(self.max_seqlen_k)
@@ -327,6 +334,8 @@ class _Call:
             return "fa2", "traced by torch.compile"
         unsupported = fa4.unsupported_reason(self.q, self.blocks, max_seqlen_q=self.max_seqlen_q, varlen=self.varlen,
                                              paged=self.page_table is not None)
+        if self.mask_source is not None:
+            unsupported = "the mask blocks name a second K/V source (the speculative call's one launch): FA-2 only"
         if self.requested_backend == "fa4":
             if unsupported:
                 fail("backend", f"'fa4' cannot run this call: {unsupported}")
@@ -352,7 +361,7 @@ class _Call:
         if not torch.compiler.is_compiling() and logger.isEnabledFor(logging.DEBUG):
             logger.debug("sparse forward on %s (%s)", backend, why)
         if backend == "fa4":
-            return fa4.run(self.q, self.k, self.v, self.blocks, softmax_scale=self.scale, causal=self.causal,
+            return fa4.run(self.q, self.k, self.v, self.effective_blocks(), softmax_scale=self.scale, causal=self.causal,
                            batch=self.batch, max_seqlen_q=self.max_seqlen_q, max_seqlen_k=self.max_seqlen_k,
                            cu_seqlens_q=self.cu_seqlens_q, cu_seqlens_k=self.cu_seqlens_k, seqused_k=self.seqused_k)
         return ops.sparse_fwd(*self.op_args(self.num_splits()))
@@ -548,11 +557,14 @@ def flash_attn_speculative_sparse(q: Tensor, k_spec: Tensor, v_spec: Tensor, k: 
 def flash_attn_speculative_sparse_zero_copy(q: Tensor, k: Tensor, v: Tensor, spec_block_table: BlockTable,
                                             missed_block_table: BlockTable, block_size: int = 128,
                                             softmax_scale: Optional[float] = None, causal_spec: bool = True,
-                                            num_splits: int = 0, validate: Optional[str] = None) -> Tuple[Tensor, Tensor]:
+                                            num_splits: int = 0, validate: Optional[str] = None,
+                                            backend: str = "auto") -> Tuple[Tensor, Tensor]:
     """Speculative + repair without gathering: the speculative set is a block list over the same
     K/V (as "mask" blocks, so the diagonal gets the causal mask when causal_spec) and the missed
     set another ("full" blocks). One pass over both lists gives attention over their union.
-    Both tables are 1-D int32 block-id tensors shared by every batch, head and query row."""
+    Both tables are 1-D int32 block-id tensors shared by every batch, head and query row.
+    backend as in flash_attn_with_sparse_block_table: prefill-shaped calls run on FA-4 as the
+    union pass does."""
     batch = q.shape[0] if isinstance(q, Tensor) and q.dim() == 4 else 1
     for name, t in (("spec_block_table", spec_block_table), ("missed_block_table", missed_block_table)):
         if not isinstance(t, Tensor) or t.dtype != torch.int32 or t.dim() != 1:
@@ -562,7 +574,7 @@ def flash_attn_speculative_sparse_zero_copy(q: Tensor, k: Tensor, v: Tensor, spe
     spec = SparseBlocks.from_block_table(spec_block_table, block_size, batch, kind="mask")
     missed = SparseBlocks.from_block_table(missed_block_table, block_size, batch)
     call = _Call(q, k, v, missed, causal=causal_spec, softmax_scale=softmax_scale, num_splits=num_splits,
-                 validate=validate)
+                 validate=validate, backend=backend)
     if exhaustive_validation_requested(validate):  # the two lists together: ids in range, no block twice
         n = max(spec_block_table.shape[0], missed_block_table.shape[0])
         pad = lambda t: torch.nn.functional.pad(t, (0, n - t.shape[0])).view(1, 1, 1, n).expand(batch, 1, 1, n)
