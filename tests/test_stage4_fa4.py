@@ -233,36 +233,45 @@ def test_auto_routing():
 @pytest.mark.gpu
 @pytest.mark.sm90
 @pytest.mark.parametrize("causal_spec", [True, False])
-def test_speculative_zero_copy_runs_on_fa4_at_prefill(causal_spec, monkeypatch):
-    """A prefill-shaped zero-copy call goes where its union pass goes (FA-4), with its shared
-    speculative mask lists; the gathered form's one launch (a second K/V source) stays on FA-2."""
+def test_speculative_forms_run_on_fa4_at_prefill(causal_spec, monkeypatch):
+    """Prefill-shaped speculative calls go where their union pass goes (FA-4): the zero-copy form
+    as one FA-4 pass with its shared speculative mask lists; the gathered form as the missed pass
+    on FA-4 over every row plus a speculative pass over the rows that see k_spec (with
+    causal_spec the last 512 of 2048: few tiles, so FA-2 there), merged into those rows."""
     _needs_fa4()
     g = torch.Generator(device="cuda").manual_seed(11 + causal_spec)
     seqlen_q, seqlen_k, heads, heads_k, block = 2048, 8192, 8, 2, 128  # 128 FA-4 tiles: auto takes FA-4
     q, k, v = random_qkv(1, seqlen_q, seqlen_k, heads, heads_k, 128, torch.bfloat16, generator=g)
-    diagonal = (seqlen_k - seqlen_q) // block  # blocks from here on hold some row's diagonal
-    spec_ids = list(range(diagonal, seqlen_k // block))[::-1]  # permuted
-    missed_ids = random.Random(5).sample(range(diagonal), 12)  # gapped, fully historical for every row
+    spec_start = seqlen_k // block - 4  # the speculative set: the last 4 blocks (every row's diagonal)
+    spec_ids = list(range(spec_start, seqlen_k // block))[::-1]  # permuted
+    missed_ids = random.Random(5).sample(range((seqlen_k - seqlen_q) // block), 12)  # gapped, historical for every row
     spec = torch.tensor(spec_ids, dtype=torch.int32, device="cuda")
     missed = torch.tensor(missed_ids, dtype=torch.int32, device="cuda")
-    fa4_lists = []
-    run_fa4 = fa4.run
-    monkeypatch.setattr(fa4, "run", lambda q, k, v, blocks, **kw: fa4_lists.append(blocks) or run_fa4(q, k, v, blocks, **kw))
-    poison_allocator(((1, seqlen_q, heads, 128), torch.bfloat16), ((1, heads, seqlen_q), torch.float32))
-    out, lse = fas.flash_attn_speculative_sparse_zero_copy(q, k, v, spec, missed, causal_spec=causal_spec, validate="full")
-    assert len(fa4_lists) == 1 and torch.equal(fa4_lists[0].mask_idx[0, 0, 0], spec)
-    out_fa2, lse_fa2 = fas.flash_attn_speculative_sparse_zero_copy(q, k, v, spec, missed, causal_spec=causal_spec,
-                                                                   backend="fa2")
-    assert len(fa4_lists) == 1
     visible = torch.zeros(seqlen_q, seqlen_k, dtype=torch.bool, device="cuda")
     visible[:, block_positions(missed_ids, block, seqlen_k).cuda()] = True
     spec_pos = block_positions(spec_ids, block, seqlen_k).cuda()
     rows = torch.arange(seqlen_q, device="cuda")[:, None]
     visible[:, spec_pos] = spec_pos[None, :] <= rows + seqlen_k - seqlen_q if causal_spec else True
+    fa4_lists = []
+    run_fa4 = fa4.run
+    monkeypatch.setattr(fa4, "run", lambda q, k, v, blocks, **kw: fa4_lists.append(blocks) or run_fa4(q, k, v, blocks, **kw))
+
+    poison_allocator(((1, seqlen_q, heads, 128), torch.bfloat16), ((1, heads, seqlen_q), torch.float32))
+    out, lse = fas.flash_attn_speculative_sparse_zero_copy(q, k, v, spec, missed, causal_spec=causal_spec, validate="full")
+    assert len(fa4_lists) == 1 and torch.equal(fa4_lists[0].mask_idx[0, 0, 0], spec)
     assert_close_to_reference(out, lse, q, k, v, visible)
-    assert max_err(lse, lse_fa2) <= 1e-3 and max_err(out, out_fa2) <= 2e-2
-    # The gathered form reads its speculative blocks from k_spec / v_spec in one launch: FA-2 only.
-    k_spec, v_spec = k[:, diagonal * block:].contiguous(), v[:, diagonal * block:].contiguous()
-    out_g, lse_g = fas.flash_attn_speculative_sparse(q, k_spec, v_spec, k, v, missed, causal_spec=causal_spec)
+    out_fa2, lse_fa2 = fas.flash_attn_speculative_sparse_zero_copy(q, k, v, spec, missed, causal_spec=causal_spec,
+                                                                   backend="fa2")
     assert len(fa4_lists) == 1
-    assert max_err(lse_g, lse_fa2) <= 1e-3 and max_err(out_g, out_fa2) <= 2e-2
+    assert max_err(lse, lse_fa2) <= 1e-3 and max_err(out, out_fa2) <= 2e-2
+
+    k_spec, v_spec = k[:, spec_start * block:].contiguous(), v[:, spec_start * block:].contiguous()
+    poison_allocator(((1, seqlen_q, heads, 128), torch.bfloat16), ((1, heads, seqlen_q), torch.float32))
+    out_g, lse_g = fas.flash_attn_speculative_sparse(q, k_spec, v_spec, k, v, missed, causal_spec=causal_spec,
+                                                     validate="full")
+    assert len(fa4_lists) == (2 if causal_spec else 3)  # the speculative pass on FA-4 only over all 2048 rows
+    assert_close_to_reference(out_g, lse_g, q, k, v, visible)
+    out_g2, lse_g2 = fas.flash_attn_speculative_sparse(q, k_spec, v_spec, k, v, missed, causal_spec=causal_spec,
+                                                       backend="fa2")
+    assert len(fa4_lists) == (2 if causal_spec else 3)
+    assert max_err(lse_g, lse_g2) <= 1e-3 and max_err(out_g, out_g2) <= 2e-2
