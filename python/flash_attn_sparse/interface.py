@@ -542,9 +542,7 @@ def flash_attn_speculative_sparse(q: Tensor, k_spec: Tensor, v_spec: Tensor, k: 
         spec = SparseBlocks.from_block_table(int_range(0, cdiv(k_spec.shape[1], bs), k_spec.device), bs, batch, kind="mask")
         missed_call.use_mask_lists(spec, source=(k_spec, v_spec), causal=causal_spec)
         return missed_call.run()
-    spec_table = int_range(0, cdiv(k_spec.shape[1], 128), k_spec.device)
-    spec = SparseBlocks.from_block_table(spec_table, 128, batch, kind="mask" if causal_spec else "full")
-    spec_call = _Call(q, k_spec, v_spec, spec, causal=causal_spec, softmax_scale=softmax_scale, num_splits=num_splits,
+    spec_call = _Call(q, k_spec, v_spec, _every_block_of(k_spec, batch, causal_spec), causal=causal_spec, softmax_scale=softmax_scale, num_splits=num_splits,
                       validate=validate, table_name="k_spec")
     spec_splits = spec_call.num_splits()
     missed_splits = missed_call.num_splits()
@@ -555,6 +553,12 @@ def flash_attn_speculative_sparse(q: Tensor, k_spec: Tensor, v_spec: Tensor, k: 
     spec_call.run_partial(out_partial, lse_partial, 0, spec_splits)
     missed_call.run_partial(out_partial, lse_partial, spec_splits, missed_splits)
     return ops.combine(out_partial, lse_partial, q.dtype, q.shape[3], None, 0)
+
+
+def _every_block_of(k_spec: Tensor, batch: int, causal: bool) -> SparseBlocks:
+    """Every 128-key block of k_spec, shared by every row: "mask" blocks when causal."""
+    table = int_range(0, cdiv(k_spec.shape[1], 128), k_spec.device)
+    return SparseBlocks.from_block_table(table, 128, batch, kind="mask" if causal else "full")
 
 
 def _speculative_over_missed_on_fa4(missed_call: _Call, k_spec: Tensor, v_spec: Tensor, causal_spec: bool,
@@ -570,9 +574,7 @@ def _speculative_over_missed_on_fa4(missed_call: _Call, k_spec: Tensor, v_spec: 
     rows = min(seqlen_q, seqlen_spec) if causal_spec else seqlen_q
     if rows == 0:
         return out, lse
-    spec_table = int_range(0, cdiv(seqlen_spec, 128), k_spec.device)
-    spec = SparseBlocks.from_block_table(spec_table, 128, batch, kind="mask" if causal_spec else "full")
-    spec_call = _Call(q[:, seqlen_q - rows:], k_spec, v_spec, spec, causal=causal_spec, softmax_scale=missed_call.scale,
+    spec_call = _Call(q[:, seqlen_q - rows:], k_spec, v_spec, _every_block_of(k_spec, batch, causal_spec), causal=causal_spec, softmax_scale=missed_call.scale,
                       validate=validate, table_name="k_spec", backend=backend)
     out_spec, lse_spec = spec_call.run()
     # Both partials of those rows as the combine's fp32 (2, b, h, rows, d_rounded) and (2, b, h, rows).
