@@ -542,8 +542,8 @@ def flash_attn_speculative_sparse(q: Tensor, k_spec: Tensor, v_spec: Tensor, k: 
         spec = SparseBlocks.from_block_table(int_range(0, cdiv(k_spec.shape[1], bs), k_spec.device), bs, batch, kind="mask")
         missed_call.use_mask_lists(spec, source=(k_spec, v_spec), causal=causal_spec)
         return missed_call.run()
-    spec_call = _Call(q, k_spec, v_spec, _every_block_of(k_spec, batch, causal_spec), causal=causal_spec, softmax_scale=softmax_scale, num_splits=num_splits,
-                      validate=validate, table_name="k_spec")
+    spec_call = _Call(q, k_spec, v_spec, _every_block_of(k_spec, batch, causal_spec), causal=causal_spec,
+                      softmax_scale=softmax_scale, num_splits=num_splits, validate=validate, table_name="k_spec")
     spec_splits = spec_call.num_splits()
     missed_splits = missed_call.num_splits()
     if spec_splits + missed_splits > MAX_SPLITS:
@@ -574,8 +574,9 @@ def _speculative_over_missed_on_fa4(missed_call: _Call, k_spec: Tensor, v_spec: 
     rows = min(seqlen_q, seqlen_spec) if causal_spec else seqlen_q
     if rows == 0:
         return out, lse
-    spec_call = _Call(q[:, seqlen_q - rows:], k_spec, v_spec, _every_block_of(k_spec, batch, causal_spec), causal=causal_spec, softmax_scale=missed_call.scale,
-                      validate=validate, table_name="k_spec", backend=backend)
+    spec_call = _Call(q[:, seqlen_q - rows:], k_spec, v_spec, _every_block_of(k_spec, batch, causal_spec),
+                      causal=causal_spec, softmax_scale=missed_call.scale, validate=validate, table_name="k_spec",
+                      backend=backend)
     out_spec, lse_spec = spec_call.run()
     # Both partials of those rows as the combine's fp32 (2, b, h, rows, d_rounded) and (2, b, h, rows).
     head_dim = q.shape[-1]
