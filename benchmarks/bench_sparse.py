@@ -6,6 +6,8 @@ as decode is served; plain launches where a method cannot be captured), effectiv
 (FLOPs of the listed blocks only), effective TB/s (bytes of the listed K/V blocks read once per
 KV head, plus Q and O) and the fraction of the roofline measured in the same run (copy bandwidth,
 bf16 matmul rate). Lists rotate between calls so the listed blocks are not served from L2.
+At decode shapes the row copy_same_bytes times a device copy moving the counted bytes: what one
+memory-bound kernel of that size reaches, launch and ramp included.
 
     python benchmarks/bench_sparse.py [--shapes "B8 Sq16,prefill"] [--out benchmarks/results]
     (nox -s bench): writes <date>-<gpu>-<commit>.json / .md / .png into --out.
@@ -178,6 +180,17 @@ def bench_shape(shape, roofline, rows, methods):
                                                           num_splits=num_splits)
         return run
 
+    if "copy" in methods and shape.seqlen_q <= 16:
+        # The ceiling of one memory-bound kernel at this size: a device copy moving the counted
+        # bytes (half read, half written), in graphs like the rest, sources rotating past L2.
+        sources = [torch.empty(nbytes // 4, dtype=torch.bfloat16, device="cuda").normal_() for _ in range(ROTATIONS)]
+        target = torch.empty_like(sources[0])
+
+        def run_copy():
+            turn[0] = (turn[0] + 1) % ROTATIONS
+            return target.copy_(sources[turn[0]])
+        add("copy_same_bytes", run_copy, "device copy of the counted bytes")
+        del sources, target
     if "fa2_sparse" in methods:
         add("fa2_sparse", ours("fa2"))
     if "split_sweep" in methods and shape.seqlen_q <= 16:
@@ -242,7 +255,7 @@ CROSSOVER = [Shape(f"crossover B1 Sq{sq} H32/8 Sk16k", 1, sq, 16384, 32, 8, d, o
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--shapes", help="comma-separated substrings of shape names to run (default: all)")
-    parser.add_argument("--methods", default="fa2_sparse,fa4_sparse,fa4_direct,auto,fa2_dense,speculative,sdpa,flex")
+    parser.add_argument("--methods", default="copy,fa2_sparse,fa4_sparse,fa4_direct,auto,fa2_dense,speculative,sdpa,flex")
     parser.add_argument("--out", type=Path, help="folder for <date>-<gpu>-<commit>.json, .md and .png")
     parser.add_argument("--json", type=Path)
     parser.add_argument("--markdown", type=Path)

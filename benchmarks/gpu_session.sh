@@ -15,8 +15,8 @@
 # the branch's changed test files, copied into .carry/variants/BRANCH.tests/, replace main's for its tests),
 # ncu-dense (counters of the sparse kernel with every block listed beside upstream's dense kernel),
 # ncu-source (that kernel's per-SASS-instruction counters and stall samples, for the hot spots),
-# ncu-spec (the same for the union pass and the one-launch speculative call at B8 Sq16 1/16, whose
-# one causal mask tile per CTA list costs ~11 us: the kernels side by side).
+# ncu-spec (the same for the union pass and the one-launch speculative call at B8 Sq16 1/16, the
+# kernels side by side: their difference is the one tile per list that crosses the diagonal).
 #
 # The summary names the commit from .commit (git-ignored): `git rev-parse --short HEAD > .commit`
 # and carry it with the upstream cache, e.g. carry [".cache/upstream", ".commit"].

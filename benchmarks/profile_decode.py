@@ -153,6 +153,8 @@ def main():
         torch.cuda.synchronize()
         return
     print(f"GPU: {torch.cuda.get_device_name()}  torch {torch.__version__}", flush=True)
+    print("(the sparse combine is a programmatic dependent launch: it starts while the split kernel runs,\n"
+          " so its time below includes that wait; the graph time is the call's cost)", flush=True)
     wanted = lambda shape: any(part.strip() in shape.name for part in args.shapes.split(","))
     for shape in sixteenth:
         if wanted(shape):

@@ -67,7 +67,7 @@ struct SparseTileList {
     // Whether blk is a block of entry e's source (checked before any shift, so a huge id cannot
     // wrap into range).
     __forceinline__ __device__ bool valid_block(const int e, const int blk) const {
-        return (blk >= 0) & (blk <= ((source_keys(e) - 1) >> block_size_log2));
+        return blk >= 0 && blk <= ((source_keys(e) - 1) >> block_size_log2);
     }
 
     // Key position of list row v (entry e = v / block_size, block id blk), or -1 if that row is
@@ -279,11 +279,10 @@ __forceinline__ __device__ void copy_keys(TiledCopy tiled_copy, Tensor<Engine0, 
 }
 
 // Sets to -inf the scores of columns that are not keys, and (causal) those of mask-block keys
-// after a row's diagonal. acc_s is (MMA=4, MMA_M, MMA_N); list rows [v0, v0 + n). A thread's
-// columns come in groups of 8 aligned list rows, which lie in one logical block (blocks hold 16+
-// keys), so one list read serves a group (none when the tile lies in one block), and each row's
-// causal limit is computed once. The masks are selects, not branches: written with branches
-// around every score, one tile's mask was ~3400 SASS instructions.
+// after a row's diagonal. acc_s is (MMA=4, MMA_M, MMA_N); list rows [v0, v0 + n). When the tile
+// lies in one logical block, one list read serves every column (a read per column made masked
+// tiles, e.g. the causal diagonal of a speculative pass, cost several unmasked ones), and each
+// row's causal limit is computed once, not per column.
 template <typename Engine, typename Layout>
 __forceinline__ __device__ void apply_sparse_mask(Tensor<Engine, Layout> &acc_s, const SparseTileList &list,
                                                   const int v0, const int n, const bool is_causal, const SparseTileRows &rows,
@@ -302,27 +301,21 @@ __forceinline__ __device__ void apply_sparse_mask(Tensor<Engine, Layout> &acc_s,
     const int e0 = v0 >> list.block_size_log2;
     const bool one_block = e0 == ((v0 + n - 1) >> list.block_size_log2);
     const int blk0 = one_block && e0 < list.total_cnt ? list.block(e0) : -1;
-    const int col_offset = (threadIdx.x % 32 % 4) * 2;
+    const int lane_id = threadIdx.x % 32;
+    const int col_offset = v0 + (lane_id % 4) * 2;
     #pragma unroll
     for (int nj = 0; nj < size<1, 1>(tensor); ++nj) {
-        const int e = (v0 + nj * 8) >> list.block_size_log2;
-        const bool listed = e < list.total_cnt;
-        const int blk = one_block ? blk0 : (listed ? list.block(e) : -1);
-        const int keys = list.source_keys(e);
-        const bool valid = listed & list.valid_block(e, blk);
-        const bool causal_col = is_causal & (e < list.mask_cnt);
-        const int group_key = int(unsigned(blk) << list.block_size_log2) + ((v0 + nj * 8) & (list.block_size - 1));
         #pragma unroll
         for (int j = 0; j < size<1, 0>(tensor); ++j) {
-            const int pos = group_key + col_offset + j;
-            const bool key = valid & (pos < keys);
+            const int v = col_offset + nj * 8 + j;
+            const int pos = one_block ? list.position_in_block(v, blk0) : list.position(v);
+            const bool causal_col = is_causal && (v >> list.block_size_log2) < list.mask_cnt;
             #pragma unroll
             for (int mi = 0; mi < kRowGroups; ++mi) {
                 #pragma unroll
                 for (int i = 0; i < kRowsPerGroup; ++i) {
-                    const bool hidden = !key | (causal_col & (pos > last_visible[mi][i]));
-                    float &score = tensor(make_coord(i, mi), make_coord(j, nj));
-                    score = hidden ? -INFINITY : score;
+                    const bool hidden = pos < 0 || (causal_col && pos > last_visible[mi][i]);
+                    if (hidden) { tensor(make_coord(i, mi), make_coord(j, nj)) = -INFINITY; }
                 }
             }
         }

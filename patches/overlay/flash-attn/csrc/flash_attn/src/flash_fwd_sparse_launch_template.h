@@ -19,6 +19,11 @@ namespace FLASH_NAMESPACE {
 template<typename Kernel_traits, bool Is_even_K, bool Split, bool Paged>
 __global__ void flash_fwd_sparse_kernel(KERNEL_PARAM_MODIFIER const Flash_fwd_params params) {
     #if defined(ARCH_SUPPORTS_FLASH)
+        #if __CUDA_ARCH__ >= 900
+        // Lets the combine launched after a split call start now (it waits for this grid to
+        // finish before reading the partials; flash_sparse_combine.h).
+        asm volatile("griddepcontrol.launch_dependents;");
+        #endif
         // With GQA packing a CTA serves the query heads of one K/V head (see the kernel).
         const int tile_heads = params.h / params.sparse_pack_gqa;
         const int m_block = blockIdx.x;

@@ -29,6 +29,15 @@ namespace FLASH_NAMESPACE {
 
 namespace sparse_combine {
 
+// Programmatic dependent launch (sm_90+): the combine is launched to start while the split
+// kernel that writes its partials still runs, and waits here for that kernel to finish and flush
+// its writes, so in a stream or CUDA graph the gap between the two kernels is not paid.
+__forceinline__ __device__ void wait_for_partials() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+
 constexpr int kWarpsPerCta = 4;
 constexpr int kMaxSplits = 128;
 constexpr int kSplitsPerWarpInFlight = 8;
@@ -91,6 +100,7 @@ flash_sparse_combine_kernel(const __grid_constant__ Flash_fwd_params params) {
         if (i >= params.cu_seqlens_q[batch + 1] - start) { return; }  // padding: never written
         q_row = start + i;
     }
+    wait_for_partials();  // nothing before this reads what the split kernel writes
     const int num_splits = params.num_splits;
     const int n4 = params.d_rounded / 4;
     const float *lse_accum = reinterpret_cast<const float *>(params.softmax_lseaccum_ptr);
@@ -197,18 +207,26 @@ template <typename Element, int Headdim>
 void run_sparse_combine(const Flash_fwd_params &params, cudaStream_t stream) {
     constexpr int kFloat4PerLane = Headdim <= 128 ? 1 : 2;
     const int rows = params.b * params.h * params.seqlen_q;
-    int device = 0, num_sms = 0, warps_per_sm = 0;
+    int device = 0, num_sms = 0, warps_per_sm = 0, major = 0;
     cudaGetDevice(&device);
     cudaDeviceGetAttribute(&num_sms, cudaDevAttrMultiProcessorCount, device);
     cudaDeviceGetAttribute(&warps_per_sm, cudaDevAttrMaxThreadsPerMultiProcessor, device);
+    cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device);
     warps_per_sm /= 32;
-    constexpr int kThreads = sparse_combine::kWarpsPerCta * 32;
-    if (int64_t(rows) * 4 * 4 <= int64_t(num_sms) * warps_per_sm) {
-        flash_sparse_combine_kernel<Element, kFloat4PerLane, 4><<<rows, kThreads, 0, stream>>>(params);
-    } else {
-        constexpr int kRowsPerCta = sparse_combine::kWarpsPerCta;
-        flash_sparse_combine_kernel<Element, kFloat4PerLane, 1><<<(rows + kRowsPerCta - 1) / kRowsPerCta, kThreads, 0, stream>>>(params);
-    }
+    const bool four_warps_per_row = int64_t(rows) * 4 * 4 <= int64_t(num_sms) * warps_per_sm;
+    auto kernel = four_warps_per_row ? flash_sparse_combine_kernel<Element, kFloat4PerLane, 4>
+                                     : flash_sparse_combine_kernel<Element, kFloat4PerLane, 1>;
+    constexpr int kRowsPerCtaOneWarp = sparse_combine::kWarpsPerCta;
+    cudaLaunchAttribute early_start[1];
+    early_start[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+    early_start[0].val.programmaticStreamSerializationAllowed = 1;
+    cudaLaunchConfig_t config = {};
+    config.gridDim = dim3(four_warps_per_row ? rows : (rows + kRowsPerCtaOneWarp - 1) / kRowsPerCtaOneWarp);
+    config.blockDim = dim3(sparse_combine::kWarpsPerCta * 32);
+    config.stream = stream;
+    config.attrs = early_start;
+    config.numAttrs = major >= 9 ? 1 : 0;  // programmatic dependent launch needs sm_90
+    cudaLaunchKernelEx(&config, kernel, params);
 }
 
 }  // namespace FLASH_NAMESPACE
