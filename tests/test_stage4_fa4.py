@@ -3,7 +3,7 @@
 CPU: the list adapter (sorting, range checks, varlen re-lay) against a plain Python reference.
 GPU (SM90 with flash-attn-4 importable): the Hopper path against the fp32 reference and against
 the FA-2 path, batched and varlen, causal with mask blocks, per-head lists, fp16/bf16, head dims
-64/128; routing of backend="auto".
+64/128; routing of backend="auto", the speculative zero-copy form on FA-4 at prefill.
 """
 
 import importlib.util
@@ -15,7 +15,7 @@ import torch
 import flash_attn_sparse as fas
 from flash_attn_sparse import SparseBlocks, SparseInputError, fa4
 from flash_attn_sparse.metadata import pack_varlen_lists
-from flash_attn_sparse.reference import visibility_from_lists
+from flash_attn_sparse.reference import block_positions, visibility_from_lists
 from helpers import assert_close_to_reference, max_err, poison_allocator, random_qkv
 from test_stage6_varlen_causal import causal_lists
 
@@ -228,3 +228,50 @@ def test_auto_routing():
     assert fas.choose_backend(q_short, k, v, dense(4096))[0] == "fa2"
     q_decode, k_decode, v_decode = random_qkv(8, 16, 32768, 32, 8, 128, torch.bfloat16)
     assert fas.choose_backend(q_decode, k_decode, v_decode, dense(32768))[0] == "fa2"
+
+
+@pytest.mark.gpu
+@pytest.mark.sm90
+@pytest.mark.parametrize("causal_spec", [True, False])
+def test_speculative_forms_run_on_fa4_at_prefill(causal_spec, monkeypatch):
+    """Prefill-shaped speculative calls go where their union pass goes (FA-4): the zero-copy form
+    as one FA-4 pass with its shared speculative mask lists; the gathered form as the missed pass
+    on FA-4 over every row plus a speculative pass over the rows that see k_spec (with
+    causal_spec the last 512 of 2048: few tiles, so FA-2 there), merged into those rows."""
+    _needs_fa4()
+    g = torch.Generator(device="cuda").manual_seed(11 + causal_spec)
+    seqlen_q, seqlen_k, heads, heads_k, block = 2048, 8192, 8, 2, 128  # 128 FA-4 tiles: auto takes FA-4
+    q, k, v = random_qkv(1, seqlen_q, seqlen_k, heads, heads_k, 128, torch.bfloat16, generator=g)
+    spec_start = seqlen_k // block - 4  # the speculative set: the last 4 blocks (every row's diagonal)
+    spec_ids = list(range(spec_start, seqlen_k // block))[::-1]  # permuted
+    missed_ids = random.Random(5).sample(range((seqlen_k - seqlen_q) // block), 12)  # gapped, historical for every row
+    spec = torch.tensor(spec_ids, dtype=torch.int32, device="cuda")
+    missed = torch.tensor(missed_ids, dtype=torch.int32, device="cuda")
+    visible = torch.zeros(seqlen_q, seqlen_k, dtype=torch.bool, device="cuda")
+    visible[:, block_positions(missed_ids, block, seqlen_k).cuda()] = True
+    spec_pos = block_positions(spec_ids, block, seqlen_k).cuda()
+    rows = torch.arange(seqlen_q, device="cuda")[:, None]
+    visible[:, spec_pos] = spec_pos[None, :] <= rows + seqlen_k - seqlen_q if causal_spec else True
+    fa4_lists = []
+    run_fa4 = fa4.run
+    monkeypatch.setattr(fa4, "run", lambda q, k, v, blocks, **kw: fa4_lists.append(blocks) or run_fa4(q, k, v, blocks, **kw))
+
+    poison_allocator(((1, seqlen_q, heads, 128), torch.bfloat16), ((1, heads, seqlen_q), torch.float32))
+    out, lse = fas.flash_attn_speculative_sparse_zero_copy(q, k, v, spec, missed, causal_spec=causal_spec, validate="full")
+    assert len(fa4_lists) == 1 and torch.equal(fa4_lists[0].mask_idx[0, 0, 0], spec)
+    assert_close_to_reference(out, lse, q, k, v, visible)
+    out_fa2, lse_fa2 = fas.flash_attn_speculative_sparse_zero_copy(q, k, v, spec, missed, causal_spec=causal_spec,
+                                                                   backend="fa2")
+    assert len(fa4_lists) == 1
+    assert max_err(lse, lse_fa2) <= 1e-3 and max_err(out, out_fa2) <= 2e-2
+
+    k_spec, v_spec = k[:, spec_start * block:].contiguous(), v[:, spec_start * block:].contiguous()
+    poison_allocator(((1, seqlen_q, heads, 128), torch.bfloat16), ((1, heads, seqlen_q), torch.float32))
+    out_g, lse_g = fas.flash_attn_speculative_sparse(q, k_spec, v_spec, k, v, missed, causal_spec=causal_spec,
+                                                     validate="full")
+    assert len(fa4_lists) == (2 if causal_spec else 3)  # the speculative pass on FA-4 only over all 2048 rows
+    assert_close_to_reference(out_g, lse_g, q, k, v, visible)
+    out_g2, lse_g2 = fas.flash_attn_speculative_sparse(q, k_spec, v_spec, k, v, missed, causal_spec=causal_spec,
+                                                       backend="fa2")
+    assert len(fa4_lists) == (2 if causal_spec else 3)
+    assert max_err(lse_g, lse_g2) <= 1e-3 and max_err(out_g, out_g2) <= 2e-2

@@ -266,6 +266,13 @@ class _Call:
                            shared.mask_idx.expand(*full_idx.shape[:3], shared.mask_idx.shape[-1]))
         self.mask_source = source
 
+    def effective_blocks(self) -> SparseBlocks:
+        """The lists this call runs: its blocks, with the shared mask lists of use_mask_lists."""
+        if self.mask_lists is None:
+            return self.blocks
+        b = self.blocks
+        return SparseBlocks(b.full_cnt, b.full_idx, *self.mask_lists, block_size=b.block_size, q_block_size=b.q_block_size)
+
     def max_list_length(self) -> int:
         """A bound of a row's total count from shapes, as sparse_decode_tile computes it."""
         full = self.blocks.max_list_length(self.max_seqlen_k)
@@ -327,6 +334,8 @@ class _Call:
             return "fa2", "traced by torch.compile"
         unsupported = fa4.unsupported_reason(self.q, self.blocks, max_seqlen_q=self.max_seqlen_q, varlen=self.varlen,
                                              paged=self.page_table is not None)
+        if self.mask_source is not None:
+            unsupported = "the mask blocks name a second K/V source (the speculative call's one launch): FA-2 only"
         if self.requested_backend == "fa4":
             if unsupported:
                 fail("backend", f"'fa4' cannot run this call: {unsupported}")
@@ -352,7 +361,7 @@ class _Call:
         if not torch.compiler.is_compiling() and logger.isEnabledFor(logging.DEBUG):
             logger.debug("sparse forward on %s (%s)", backend, why)
         if backend == "fa4":
-            return fa4.run(self.q, self.k, self.v, self.blocks, softmax_scale=self.scale, causal=self.causal,
+            return fa4.run(self.q, self.k, self.v, self.effective_blocks(), softmax_scale=self.scale, causal=self.causal,
                            batch=self.batch, max_seqlen_q=self.max_seqlen_q, max_seqlen_k=self.max_seqlen_k,
                            cu_seqlens_q=self.cu_seqlens_q, cu_seqlens_k=self.cu_seqlens_k, seqused_k=self.seqused_k)
         return ops.sparse_fwd(*self.op_args(self.num_splits()))
@@ -501,7 +510,7 @@ def flash_attn_speculative_sparse(q: Tensor, k_spec: Tensor, v_spec: Tensor, k: 
                                   sparse_block_table: BlockTable, softmax_scale: Optional[float] = None,
                                   causal_spec: bool = True, block_size: int = 128, num_splits: int = 0,
                                   validate: Optional[str] = None, *, seqused_k: Optional[Tensor] = None,
-                                  page_table: Optional[Tensor] = None) -> Tuple[Tensor, Tensor]:
+                                  page_table: Optional[Tensor] = None, backend: str = "auto") -> Tuple[Tensor, Tensor]:
     """Speculative + repair: attention over the caller-gathered speculative K/V (k_spec, v_spec;
     it holds the diagonal, causal when causal_spec) merged exactly with attention over the
     missed blocks of the full K/V (sparse_block_table, all "full": every key visible to every
@@ -509,31 +518,32 @@ def flash_attn_speculative_sparse(q: Tensor, k_spec: Tensor, v_spec: Tensor, k: 
     page_table describe k and v (paged caches) as in flash_attn_with_sparse_block_table; k_spec
     and v_spec stay contiguous (batch, seqlen_spec, heads_k, head_dim).
 
-    Where the kernel allows (see _one_launch_refusal: k_spec/v_spec strided like k/v, a block
-    size of at least one kernel tile, no mask lists in the missed set), one launch: the missed
-    blocks are the call's "full" blocks and the speculative ones its "mask" blocks, read from
-    k_spec / v_spec. Otherwise two passes write fp32 partials into one buffer and the sparse
-    combine kernel merges them. The same attention either way."""
+    Where the missed pass goes to FA-4 (backend as in flash_attn_with_sparse_block_table:
+    prefill-shaped calls), it runs there over every row, and the speculative pass only over the
+    rows that see a speculative key (with causal_spec, the last seqlen_spec rows), merged into
+    those rows. Otherwise, where the kernel allows (see _one_launch_refusal: k_spec/v_spec
+    strided like k/v, a block size of at least one kernel tile, no mask lists in the missed
+    set), one launch: the missed blocks are the call's "full" blocks and the speculative ones its
+    "mask" blocks, read from k_spec / v_spec. Otherwise two passes write fp32 partials into one
+    buffer and the sparse combine kernel merges them. The same attention every way."""
     batch = q.shape[0] if isinstance(q, Tensor) and q.dim() == 4 else 1
     missed = _as_blocks(sparse_block_table, block_size, batch, "sparse_block_table")
     if not isinstance(k_spec, Tensor) or k_spec.dim() != 4:
         fail("k_spec", "must be a (batch, seqlen_spec, heads_k, head_dim) tensor")
     if not isinstance(causal_spec, bool):
         fail("causal_spec", f"must be a bool, got {causal_spec!r}")
+    # Missed blocks are all visible, so the missed pass is not causal (and is validated so).
+    missed_call = _Call(q, k, v, missed, causal=False, softmax_scale=softmax_scale, num_splits=num_splits,
+                        validate=validate, seqused_k=seqused_k, page_table=page_table, backend=backend)
+    if missed_call.backend()[0] == "fa4":
+        return _speculative_over_missed_on_fa4(missed_call, k_spec, v_spec, causal_spec, validate, backend)
     if _one_launch_refusal(q, k_spec, v_spec, k, v, missed, paged=page_table is not None) is None:
-        # Validated as the two-pass form's missed pass (not causal: missed blocks are all visible).
-        call = _Call(q, k, v, missed, causal=False, softmax_scale=softmax_scale, num_splits=num_splits,
-                     validate=validate, seqused_k=seqused_k)
         bs = missed.block_size
         spec = SparseBlocks.from_block_table(int_range(0, cdiv(k_spec.shape[1], bs), k_spec.device), bs, batch, kind="mask")
-        call.use_mask_lists(spec, source=(k_spec, v_spec), causal=causal_spec)
-        return call.run()
-    spec_table = int_range(0, cdiv(k_spec.shape[1], 128), k_spec.device)
-    spec = SparseBlocks.from_block_table(spec_table, 128, batch, kind="mask" if causal_spec else "full")
-    spec_call = _Call(q, k_spec, v_spec, spec, causal=causal_spec, softmax_scale=softmax_scale, num_splits=num_splits,
-                      validate=validate, table_name="k_spec")
-    missed_call = _Call(q, k, v, missed, causal=False, softmax_scale=softmax_scale, num_splits=num_splits,
-                        validate=validate, seqused_k=seqused_k, page_table=page_table)
+        missed_call.use_mask_lists(spec, source=(k_spec, v_spec), causal=causal_spec)
+        return missed_call.run()
+    spec_call = _Call(q, k_spec, v_spec, _every_block_of(k_spec, batch, causal_spec), causal=causal_spec,
+                      softmax_scale=softmax_scale, num_splits=num_splits, validate=validate, table_name="k_spec")
     spec_splits = spec_call.num_splits()
     missed_splits = missed_call.num_splits()
     if spec_splits + missed_splits > MAX_SPLITS:
@@ -545,14 +555,52 @@ def flash_attn_speculative_sparse(q: Tensor, k_spec: Tensor, v_spec: Tensor, k: 
     return ops.combine(out_partial, lse_partial, q.dtype, q.shape[3], None, 0)
 
 
+def _every_block_of(k_spec: Tensor, batch: int, causal: bool) -> SparseBlocks:
+    """Every 128-key block of k_spec, shared by every row: "mask" blocks when causal."""
+    table = int_range(0, cdiv(k_spec.shape[1], 128), k_spec.device)
+    return SparseBlocks.from_block_table(table, 128, batch, kind="mask" if causal else "full")
+
+
+def _speculative_over_missed_on_fa4(missed_call: _Call, k_spec: Tensor, v_spec: Tensor, causal_spec: bool,
+                                    validate: Optional[str], backend: str) -> Tuple[Tensor, Tensor]:
+    """The speculative call with its missed pass on FA-4 (prefill): that pass over every row, the
+    speculative pass over the rows that see a speculative key, and the two merged there. With
+    causal_spec, row r sees speculative key j iff j <= r + seqlen_spec - seqlen_q, so rows before
+    the last seqlen_spec see none and keep the missed pass's answer: at prefill the merge touches a
+    few rows, not every row of a second full-size output."""
+    q, batch = missed_call.q, missed_call.batch
+    out, lse = missed_call.run()
+    seqlen_q, seqlen_spec = q.shape[1], k_spec.shape[1]
+    rows = min(seqlen_q, seqlen_spec) if causal_spec else seqlen_q
+    if rows == 0:
+        return out, lse
+    spec_call = _Call(q[:, seqlen_q - rows:], k_spec, v_spec, _every_block_of(k_spec, batch, causal_spec),
+                      causal=causal_spec, softmax_scale=missed_call.scale, validate=validate, table_name="k_spec",
+                      backend=backend)
+    out_spec, lse_spec = spec_call.run()
+    # Both partials of those rows as the combine's fp32 (2, b, h, rows, d_rounded) and (2, b, h, rows).
+    head_dim = q.shape[-1]
+    parts = torch.stack((out[:, seqlen_q - rows:], out_spec)).transpose(2, 3).float()
+    pad = ops.head_dim_rounded(head_dim) - head_dim
+    parts = torch.nn.functional.pad(parts, (0, pad)) if pad else parts
+    lses = torch.stack((lse[:, :, seqlen_q - rows:], lse_spec))
+    merged, merged_lse = ops.combine(parts.contiguous(), lses.contiguous(), q.dtype, head_dim, None, 0)
+    out[:, seqlen_q - rows:] = merged
+    lse[:, :, seqlen_q - rows:] = merged_lse
+    return out, lse
+
+
 def flash_attn_speculative_sparse_zero_copy(q: Tensor, k: Tensor, v: Tensor, spec_block_table: BlockTable,
                                             missed_block_table: BlockTable, block_size: int = 128,
                                             softmax_scale: Optional[float] = None, causal_spec: bool = True,
-                                            num_splits: int = 0, validate: Optional[str] = None) -> Tuple[Tensor, Tensor]:
+                                            num_splits: int = 0, validate: Optional[str] = None,
+                                            backend: str = "auto") -> Tuple[Tensor, Tensor]:
     """Speculative + repair without gathering: the speculative set is a block list over the same
     K/V (as "mask" blocks, so the diagonal gets the causal mask when causal_spec) and the missed
     set another ("full" blocks). One pass over both lists gives attention over their union.
-    Both tables are 1-D int32 block-id tensors shared by every batch, head and query row."""
+    Both tables are 1-D int32 block-id tensors shared by every batch, head and query row.
+    backend as in flash_attn_with_sparse_block_table: prefill-shaped calls run on FA-4 as the
+    union pass does."""
     batch = q.shape[0] if isinstance(q, Tensor) and q.dim() == 4 else 1
     for name, t in (("spec_block_table", spec_block_table), ("missed_block_table", missed_block_table)):
         if not isinstance(t, Tensor) or t.dtype != torch.int32 or t.dim() != 1:
@@ -562,7 +610,7 @@ def flash_attn_speculative_sparse_zero_copy(q: Tensor, k: Tensor, v: Tensor, spe
     spec = SparseBlocks.from_block_table(spec_block_table, block_size, batch, kind="mask")
     missed = SparseBlocks.from_block_table(missed_block_table, block_size, batch)
     call = _Call(q, k, v, missed, causal=causal_spec, softmax_scale=softmax_scale, num_splits=num_splits,
-                 validate=validate)
+                 validate=validate, backend=backend)
     if exhaustive_validation_requested(validate):  # the two lists together: ids in range, no block twice
         n = max(spec_block_table.shape[0], missed_block_table.shape[0])
         pad = lambda t: torch.nn.functional.pad(t, (0, n - t.shape[0])).view(1, 1, 1, n).expand(batch, 1, 1, n)
