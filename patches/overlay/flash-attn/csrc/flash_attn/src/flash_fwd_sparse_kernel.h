@@ -627,6 +627,17 @@ inline __device__ void compute_attn_1rowblock_sparse(const Params &params, const
     // Invalid K rows need no clearing: their scores are masked to -inf.
     copy_keys<Is_even_K, /*Clear_invalid_rows=*/false>(gmem_tiled_copy_QKV, tKgK, tKgK0, tKsK, tKVpKV, start, positions, params.k_row_stride, k_shift(tile));
     cute::cp_async_fence();
+    // The 4-warp kernels issue V of a tile as soon as sV is free (here, and after the previous
+    // tile's PV), so it loads beside that tile's K: groups in flight at the top of an iteration
+    // are [K(t)] [V(t)]. Run 35 (H200): one split walking many tiles 5-10% faster, default
+    // split counts unchanged. The one-warp decode tile keeps upstream's order (V(t) after K(t)
+    // is in): issuing early made it 2-4% slower (runs 24, 35). Invalid V rows are cleared: P is 0
+    // there, but 0 * garbage need not be.
+    constexpr bool kIssueVEarly = kNWarps > 1;
+    if constexpr (kIssueVEarly) {
+        copy_keys<Is_even_K, /*Clear_invalid_rows=*/true>(gmem_tiled_copy_QKV, tVgV, tVgV0, tVsV, tKVpKV, start, positions, params.v_row_stride, v_shift(tile));
+        cute::cp_async_fence();
+    }
 
     clear(acc_o);
     FLASH_NAMESPACE::Softmax<2 * size<1>(acc_o)> softmax;
@@ -635,10 +646,12 @@ inline __device__ void compute_attn_1rowblock_sparse(const Params &params, const
     for (bool is_first = true; tile >= tile_min; --tile, is_first = false) {
         Tensor acc_s = partition_fragment_C(tiled_mma, Shape<Int<kBlockM>, Int<kBlockN>>{});  // (MMA=4, MMA_M, MMA_N)
         clear(acc_s);
-        FLASH_NAMESPACE::cp_async_wait<0>();
+        FLASH_NAMESPACE::cp_async_wait<kIssueVEarly ? 1 : 0>();  // K(t) is in
         __syncthreads();
-        copy_keys<Is_even_K, /*Clear_invalid_rows=*/true>(gmem_tiled_copy_QKV, tVgV, tVgV0, tVsV, tKVpKV, start, positions, params.v_row_stride, v_shift(tile));
-        cute::cp_async_fence();
+        if constexpr (!kIssueVEarly) {
+            copy_keys<Is_even_K, /*Clear_invalid_rows=*/true>(gmem_tiled_copy_QKV, tVgV, tVgV0, tVsV, tKVpKV, start, positions, params.v_row_stride, v_shift(tile));
+            cute::cp_async_fence();
+        }
         // Look up the next tile's keys now so the list reads overlap the matmul.
         int next_positions[kRowsPerThread];
         int next_blk = -1;
@@ -685,6 +698,11 @@ inline __device__ void compute_attn_1rowblock_sparse(const Params &params, const
         Tensor rP = FLASH_NAMESPACE::convert_type<Element>(acc_s);
         Tensor tOrP = make_tensor(rP.data(), FLASH_NAMESPACE::convert_layout_acc_Aregs<typename Kernel_traits::TiledMma>(rP.layout()));
         FLASH_NAMESPACE::gemm_rs(acc_o, tOrP, tOrVt, tOsVt, tiled_mma, smem_tiled_copy_V, smem_thr_copy_V);
+        if (kIssueVEarly && tile > tile_min) {
+            __syncthreads();  // every warp's PV(t) is done with sV
+            copy_keys<Is_even_K, /*Clear_invalid_rows=*/true>(gmem_tiled_copy_QKV, tVgV, tVgV0, tVsV, tKVpKV, start, positions, params.v_row_stride, v_shift(tile - 1));
+            cute::cp_async_fence();
+        }
     }
 
     // Epilogue. A row that saw no key (everything masked) gets LSE = -inf and O = 0.
