@@ -139,12 +139,12 @@ for s in $STEPS; do
         step profile
         timeout 300 python3 benchmarks/profile_decode.py > "$OUT/profile.txt" 2>&1
         [ "${PROFILE_NCU:-1}" = 0 ] && { note "profile: $(wc -l < "$OUT/profile.txt") lines in profile.txt"; continue; }
-        for target in "B8 Sq16" "B1 Sq1"; do
+        for target in "B8 Sq16" "B8 Sq1 " "B1 Sq1"; do  # "B8 Sq1 ": not a prefix of "B8 Sq16"
             timeout 120 ncu --clock-control none -k regex:"flash_fwd_sparse|combine" --launch-skip 6 --launch-count 2 \
-                --section SpeedOfLight --section Occupancy --section LaunchStats --section WarpStateStats \
+                --section SpeedOfLight --section ComputeWorkloadAnalysis --section Occupancy --section LaunchStats --section WarpStateStats \
                 --section MemoryWorkloadAnalysis --section SchedulerStats \
                 python3 benchmarks/profile_decode.py --ncu-target "$target" > "$LOGS/ncu-${target// /_}.txt" 2>&1
-            { echo "### ncu $target"; grep -E "^  [a-z_]+.*\(|Duration|DRAM Throughput|Memory Throughput|Achieved Occupancy|Theoretical Occupancy|Registers Per Thread|Block Limit|Waves Per SM|Grid Size|Dynamic Shared|Stall|Issue Slots|L2 Hit|Eligible Warps" "$LOGS/ncu-${target// /_}.txt"; } >> "$OUT/profile.txt"
+            { echo "### ncu $target"; grep -E "^  [a-z_]+.*\(|Duration|DRAM Throughput|Memory Throughput|Achieved Occupancy|Theoretical Occupancy|Registers Per Thread|Block Limit|Waves Per SM|Grid Size|Dynamic Shared|Stall|Issue Slots|SM Busy|Executed Ipc|L2 Hit|Eligible Warps" "$LOGS/ncu-${target// /_}.txt"; } >> "$OUT/profile.txt"
         done
         note "profile: $(wc -l < "$OUT/profile.txt") lines in profile.txt" ;;
     variants)
