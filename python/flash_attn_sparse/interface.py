@@ -538,12 +538,13 @@ def flash_attn_speculative_sparse(q: Tensor, k_spec: Tensor, v_spec: Tensor, k: 
     if missed_call.backend()[0] == "fa4":
         return _speculative_over_missed_on_fa4(missed_call, k_spec, v_spec, causal_spec, validate, backend)
     if _one_launch_refusal(q, k_spec, v_spec, k, v, missed, paged=page_table is not None) is None:
-        bs = missed.block_size
-        spec = SparseBlocks.from_block_table(int_range(0, cdiv(k_spec.shape[1], bs), k_spec.device), bs, batch, kind="mask")
+        # "mask" blocks whatever causal_spec: they name the second source; the flag masks them.
+        spec = _every_block_of(k_spec, batch, "mask", missed.block_size)
         missed_call.use_mask_lists(spec, source=(k_spec, v_spec), causal=causal_spec)
         return missed_call.run()
-    spec_call = _Call(q, k_spec, v_spec, _every_block_of(k_spec, batch, causal_spec), causal=causal_spec,
-                      softmax_scale=softmax_scale, num_splits=num_splits, validate=validate, table_name="k_spec")
+    spec_blocks = _every_block_of(k_spec, batch, "mask" if causal_spec else "full")
+    spec_call = _Call(q, k_spec, v_spec, spec_blocks, causal=causal_spec, softmax_scale=softmax_scale,
+                      num_splits=num_splits, validate=validate, table_name="k_spec")
     spec_splits = spec_call.num_splits()
     missed_splits = missed_call.num_splits()
     if spec_splits + missed_splits > MAX_SPLITS:
@@ -555,10 +556,10 @@ def flash_attn_speculative_sparse(q: Tensor, k_spec: Tensor, v_spec: Tensor, k: 
     return ops.combine(out_partial, lse_partial, q.dtype, q.shape[3], None, 0)
 
 
-def _every_block_of(k_spec: Tensor, batch: int, causal: bool) -> SparseBlocks:
-    """Every 128-key block of k_spec, shared by every row: "mask" blocks when causal."""
-    table = int_range(0, cdiv(k_spec.shape[1], 128), k_spec.device)
-    return SparseBlocks.from_block_table(table, 128, batch, kind="mask" if causal else "full")
+def _every_block_of(k_spec: Tensor, batch: int, kind: str, block_size: int = 128) -> SparseBlocks:
+    """Every block of k_spec as `kind` ("mask" or "full") blocks, one list shared by every row."""
+    table = int_range(0, cdiv(k_spec.shape[1], block_size), k_spec.device)
+    return SparseBlocks.from_block_table(table, block_size, batch, kind=kind)
 
 
 def _speculative_over_missed_on_fa4(missed_call: _Call, k_spec: Tensor, v_spec: Tensor, causal_spec: bool,
@@ -574,9 +575,9 @@ def _speculative_over_missed_on_fa4(missed_call: _Call, k_spec: Tensor, v_spec: 
     rows = min(seqlen_q, seqlen_spec) if causal_spec else seqlen_q
     if rows == 0:
         return out, lse
-    spec_call = _Call(q[:, seqlen_q - rows:], k_spec, v_spec, _every_block_of(k_spec, batch, causal_spec),
-                      causal=causal_spec, softmax_scale=missed_call.scale, validate=validate, table_name="k_spec",
-                      backend=backend)
+    spec_blocks = _every_block_of(k_spec, batch, "mask" if causal_spec else "full")
+    spec_call = _Call(q[:, seqlen_q - rows:], k_spec, v_spec, spec_blocks, causal=causal_spec,
+                      softmax_scale=missed_call.scale, validate=validate, table_name="k_spec", backend=backend)
     out_spec, lse_spec = spec_call.run()
     # Both partials of those rows as the combine's fp32 (2, b, h, rows, d_rounded) and (2, b, h, rows).
     head_dim = q.shape[-1]
