@@ -147,7 +147,7 @@ def test_decode_shaped_causal_per_kv_head_lists(seqlen_q, heads, heads_k, num_sp
 def test_decode_over_long_lists_runs_the_16_row_tile(seqlen_q, heads, heads_k, num_splits):
     """Packed rows that fit 16 and lists of 16384+ keys, 2^20+ keys in all, take the one-warp
     16-row tile (as the split heuristic assumes); it must give the same results, and shorter
-    lists must not take it."""
+    lists must not take it: they take the 16-row tile whose four warps split each tile's keys."""
     q, k, v, blocks = check_decode_causal(seqlen_q, heads, heads_k, num_splits, seqlen_k=36000, density=0.95, batch=16)
     call = lambda: fas.flash_attn_with_sparse_block_table(q, k, v, blocks, causal=True, num_splits=num_splits)
     assert all("Sparse_decode_kernel_traits" in name for name in sparse_kernel_launches(call))
@@ -155,3 +155,5 @@ def test_decode_over_long_lists_runs_the_16_row_tile(seqlen_q, heads, heads_k, n
                          q_block_size=blocks.q_block_size)
     short_call = lambda: fas.flash_attn_with_sparse_block_table(q, k, v, short, num_splits=num_splits)
     assert not any("Sparse_decode_kernel_traits" in name for name in sparse_kernel_launches(short_call))
+    # Shorter lists take the 16-row tile whose warps split the keys (the packed rows fit 16).
+    assert all("Sparse_keysplit_kernel_traits" in name for name in sparse_kernel_launches(short_call))

@@ -40,6 +40,13 @@
 
 namespace FLASH_NAMESPACE {
 
+// Kernel traits with kSparseKeySplit = true make the warps split each tile's keys instead of its
+// rows (Sparse_keysplit_kernel_traits, flash_fwd_sparse_launch_template.h).
+template <typename Traits, typename = void>
+struct is_sparse_keysplit : std::false_type {};
+template <typename Traits>
+struct is_sparse_keysplit<Traits, std::void_t<decltype(Traits::kSparseKeySplit)>> : std::bool_constant<Traits::kSparseKeySplit> {};
+
 using namespace cute;
 
 ////////////////////////////////////////////////////////////////////////////////////////////////////
@@ -442,6 +449,15 @@ inline __device__ void compute_attn_1rowblock_sparse(const Params &params, const
     constexpr int kBlockN = Kernel_traits::kBlockN;
     constexpr int kHeadDim = Kernel_traits::kHeadDim;
     constexpr int kNWarps = Kernel_traits::kNWarps;
+    // The key-split tile (Sparse_keysplit_kernel_traits): the warps load each tile together, then
+    // each computes the tile's 16 rows over its own kMmaKeys keys with its own row max, sum and O,
+    // and the warps' results are merged in shared memory at the end. Otherwise the warps split
+    // the rows, as upstream's.
+    constexpr bool kKeySplit = is_sparse_keysplit<Kernel_traits>::value;
+    constexpr int kMmaKeys = kKeySplit ? kBlockN / kNWarps : kBlockN;
+    const int warp = tidx / 32;
+    const int mma_tidx = kKeySplit ? tidx % 32 : tidx;
+    const int warp_first_col = kKeySplit ? warp * kMmaKeys : 0;
 
     using GmemTiledCopyO = std::conditional_t<!Split, typename Kernel_traits::GmemTiledCopyO, typename Kernel_traits::GmemTiledCopyOaccum>;
     using ElementO = std::conditional_t<!Split, Element, ElementAccum>;
@@ -497,22 +513,33 @@ inline __device__ void compute_attn_1rowblock_sparse(const Params &params, const
     Tensor tVgV0 = gmem_thr_copy_QKV.partition_S(gV0);  // (VCPY, VCPY_N, VCPY_K)
     Tensor tVsV = gmem_thr_copy_QKV.partition_D(sV);
 
+    // The keys this warp multiplies: all of sK / sVt, or its kMmaKeys of them (key split).
+    auto warp_keys = [&](auto const &s) {
+        if constexpr (kKeySplit) { return local_tile(s, Shape<Int<kMmaKeys>, Int<kHeadDim>>{}, make_coord(warp, 0)); } else { return s; }
+    };
+    auto warp_keys_t = [&](auto const &s) {  // transposed: keys are the second mode
+        if constexpr (kKeySplit) { return local_tile(s, Shape<Int<kHeadDim>, Int<kMmaKeys>>{}, make_coord(0, warp)); } else { return s; }
+    };
+    Tensor sK_mma = warp_keys(sK);
+    Tensor sVt_mma = warp_keys_t(sVt);
+    Tensor sVtNoSwizzle_mma = warp_keys_t(sVtNoSwizzle);
+
     typename Kernel_traits::TiledMma tiled_mma;
-    auto thr_mma = tiled_mma.get_thread_slice(tidx);
+    auto thr_mma = tiled_mma.get_thread_slice(mma_tidx);
     Tensor tSrQ  = thr_mma.partition_fragment_A(sQ);                           // (MMA,MMA_M,MMA_K)
-    Tensor tSrK  = thr_mma.partition_fragment_B(sK);                           // (MMA,MMA_N,MMA_K)
-    Tensor tOrVt  = thr_mma.partition_fragment_B(sVtNoSwizzle);                // (MMA, MMA_K,MMA_N)
+    Tensor tSrK  = thr_mma.partition_fragment_B(sK_mma);                       // (MMA,MMA_N,MMA_K)
+    Tensor tOrVt  = thr_mma.partition_fragment_B(sVtNoSwizzle_mma);            // (MMA, MMA_K,MMA_N)
     Tensor acc_o = partition_fragment_C(tiled_mma, Shape<Int<kBlockM>, Int<kHeadDim>>{});  // MMA, MMA_M, MMA_K
 
     auto smem_tiled_copy_Q = make_tiled_copy_A(typename Kernel_traits::SmemCopyAtom{}, tiled_mma);
-    auto smem_thr_copy_Q = smem_tiled_copy_Q.get_thread_slice(tidx);
+    auto smem_thr_copy_Q = smem_tiled_copy_Q.get_thread_slice(mma_tidx);
     Tensor tSsQ = smem_thr_copy_Q.partition_S(sQ);
     auto smem_tiled_copy_K = make_tiled_copy_B(typename Kernel_traits::SmemCopyAtom{}, tiled_mma);
-    auto smem_thr_copy_K = smem_tiled_copy_K.get_thread_slice(tidx);
-    Tensor tSsK = smem_thr_copy_K.partition_S(sK);
+    auto smem_thr_copy_K = smem_tiled_copy_K.get_thread_slice(mma_tidx);
+    Tensor tSsK = smem_thr_copy_K.partition_S(sK_mma);
     auto smem_tiled_copy_V = make_tiled_copy_B(typename Kernel_traits::SmemCopyAtomTransposed{}, tiled_mma);
-    auto smem_thr_copy_V = smem_tiled_copy_V.get_thread_slice(tidx);
-    Tensor tOsVt = smem_thr_copy_V.partition_S(sVt);
+    auto smem_thr_copy_V = smem_tiled_copy_V.get_thread_slice(mma_tidx);
+    Tensor tOsVt = smem_thr_copy_V.partition_S(sVt_mma);
 
     // Predicates
     Tensor cQ = make_identity_tensor(make_shape(size<0>(sQ), size<1>(sQ)));    // (BLK_M,BLK_K) -> (blk_m,blk_k)
@@ -641,10 +668,11 @@ inline __device__ void compute_attn_1rowblock_sparse(const Params &params, const
 
     clear(acc_o);
     FLASH_NAMESPACE::Softmax<2 * size<1>(acc_o)> softmax;
-    const int row_idx_offset = (tidx / 32) * 16 + (tidx % 32) / 4;
+    const int row_idx_offset = kKeySplit ? (tidx % 32) / 4 : (tidx / 32) * 16 + (tidx % 32) / 4;
+    constexpr int kWarpRowStride = kKeySplit ? 16 : kNWarps * 16;
 
     for (bool is_first = true; tile >= tile_min; --tile, is_first = false) {
-        Tensor acc_s = partition_fragment_C(tiled_mma, Shape<Int<kBlockM>, Int<kBlockN>>{});  // (MMA=4, MMA_M, MMA_N)
+        Tensor acc_s = partition_fragment_C(tiled_mma, Shape<Int<kBlockM>, Int<kMmaKeys>>{});  // (MMA=4, MMA_M, MMA_N)
         clear(acc_s);
         FLASH_NAMESPACE::cp_async_wait<kIssueVEarly ? 1 : 0>();  // K(t) is in
         __syncthreads();
@@ -667,9 +695,9 @@ inline __device__ void compute_attn_1rowblock_sparse(const Params &params, const
         const int next_start = tile > tile_min && whole_tiles ? tile_keys(tile - 1, next_blk, next_positions) : -1;
         if (masked) {
             if (start >= 0) {
-                apply_causal_mask_whole_tile(acc_s, diagonal_first_key, rows, row_idx_offset, kNWarps * 16, diagonal_offset);
+                apply_causal_mask_whole_tile(acc_s, diagonal_first_key + warp_first_col, rows, row_idx_offset, kWarpRowStride, diagonal_offset);
             } else {
-                apply_sparse_mask(acc_s, list, tile * kBlockN, kBlockN, params.is_causal, rows, row_idx_offset, kNWarps * 16, binfo.actual_seqlen_q);
+                apply_sparse_mask(acc_s, list, tile * kBlockN + warp_first_col, kMmaKeys, params.is_causal, rows, row_idx_offset, kWarpRowStride, binfo.actual_seqlen_q);
             }
         }
 
@@ -708,24 +736,68 @@ inline __device__ void compute_attn_1rowblock_sparse(const Params &params, const
     // Epilogue. A row that saw no key (everything masked) gets LSE = -inf and O = 0.
     Tensor lse = softmax.template normalize_softmax_lse</*Is_dropout=*/false, /*Split (LSE of empty rows = -inf)=*/true>(acc_o, params.scale_softmax);
 
-    Tensor sOaccum = make_tensor(make_smem_ptr(reinterpret_cast<ElementO *>(smem_)), typename Kernel_traits::SmemLayoutO{}); // (SMEM_M,SMEM_N)
-    using SmemTiledCopyO = std::conditional_t<!Split, typename Kernel_traits::SmemCopyAtomO, typename Kernel_traits::SmemCopyAtomOaccum>;
-    auto smem_tiled_copy_Oaccum = make_tiled_copy_C(SmemTiledCopyO{}, tiled_mma);
-    auto smem_thr_copy_Oaccum = smem_tiled_copy_Oaccum.get_thread_slice(tidx);
-    Tensor rO = FLASH_NAMESPACE::convert_type<ElementO>(acc_o);
-    Tensor taccOrOaccum = smem_thr_copy_Oaccum.retile_S(rO);        // ((Atom,AtomNum), MMA_M, MMA_N)
-    Tensor taccOsOaccum = smem_thr_copy_Oaccum.partition_D(sOaccum);     // ((Atom,AtomNum),PIPE_M,PIPE_N)
-    // sOaccum overlaps sQ and, in fp32, sK and sV: wait until every warp is done with them.
-    __syncthreads();
-    cute::copy(smem_tiled_copy_Oaccum, taccOrOaccum, taccOsOaccum);
-
     Tensor caccO = make_identity_tensor(Shape<Int<kBlockM>, Int<kHeadDim>>{});    // (BLK_M,BLK_K) -> (blk_m,blk_k)
     Tensor taccOcO = thr_mma.partition_C(caccO);                           // (MMA,MMA_M,MMA_K)
     static_assert(decltype(size<0>(taccOcO))::value == 4);
     // Convert to ((2, 2), MMA_M, MMA_K) then take only the row indices.
     Tensor taccOcO_row = logical_divide(taccOcO, Shape<_2>{})(make_coord(0, _), _, 0);
     CUTE_STATIC_ASSERT_V(size(lse) == size(taccOcO_row));                     // MMA_M
-    if (get<1>(taccOcO_row(0)) == 0) {
+    if constexpr (kKeySplit) {
+        // Each warp holds O and LSE of the rows over its keys. In sV (every warp is past its last
+        // PV): the warps' LSEs, then warps 1.. put their O, rescaled to the merged LSE, where
+        // warp 0 adds them to its own, thread by thread in fragment order.
+        float *merge_lse = reinterpret_cast<float *>(smem_ + (size(sQ) + size(sK)) * sizeof(Element));  // [warp][row]
+        float *merge_o = merge_lse + kNWarps * kBlockM;                                                  // [warp - 1][i][lane]
+        static_assert((kNWarps * kBlockM + (kNWarps - 1) * kBlockM * kHeadDim) * sizeof(float) <= size(sV) * sizeof(Element));
+        const int lane = tidx % 32;
+        __syncthreads();
+        if (get<1>(taccOcO_row(0)) == 0) {
+            #pragma unroll
+            for (int mi = 0; mi < size(lse); ++mi) { merge_lse[warp * kBlockM + get<0>(taccOcO_row(mi))] = lse(mi); }
+        }
+        __syncthreads();
+        Tensor acc_o_rowcol = make_tensor(acc_o.data(), FLASH_NAMESPACE::convert_layout_acc_rowcol(acc_o.layout()));
+        #pragma unroll
+        for (int mi = 0; mi < size(lse); ++mi) {
+            const int row = get<0>(taccOcO_row(mi));
+            float max_lse = -INFINITY;
+            #pragma unroll
+            for (int w = 0; w < kNWarps; ++w) { max_lse = fmaxf(max_lse, merge_lse[w * kBlockM + row]); }
+            float sum = 0.f;
+            #pragma unroll
+            for (int w = 0; w < kNWarps; ++w) { sum += max_lse == -INFINITY ? 0.f : expf(merge_lse[w * kBlockM + row] - max_lse); }
+            const float merged = max_lse == -INFINITY ? -INFINITY : max_lse + logf(sum);
+            const float scale = lse(mi) == -INFINITY ? 0.f : expf(lse(mi) - merged);
+            #pragma unroll
+            for (int ni = 0; ni < size<1>(acc_o_rowcol); ++ni) { acc_o_rowcol(mi, ni) *= scale; }
+            lse(mi) = merged;
+        }
+        if (warp > 0) {
+            #pragma unroll
+            for (int i = 0; i < size(acc_o); ++i) { merge_o[((warp - 1) * size(acc_o) + i) * 32 + lane] = acc_o(i); }
+        }
+        __syncthreads();
+        if (warp == 0) {
+            #pragma unroll
+            for (int i = 0; i < size(acc_o); ++i) {
+                #pragma unroll
+                for (int w = 1; w < kNWarps; ++w) { acc_o(i) += merge_o[((w - 1) * size(acc_o) + i) * 32 + lane]; }
+            }
+        }
+    }
+
+    Tensor sOaccum = make_tensor(make_smem_ptr(reinterpret_cast<ElementO *>(smem_)), typename Kernel_traits::SmemLayoutO{}); // (SMEM_M,SMEM_N)
+    using SmemTiledCopyO = std::conditional_t<!Split, typename Kernel_traits::SmemCopyAtomO, typename Kernel_traits::SmemCopyAtomOaccum>;
+    auto smem_tiled_copy_Oaccum = make_tiled_copy_C(SmemTiledCopyO{}, tiled_mma);
+    auto smem_thr_copy_Oaccum = smem_tiled_copy_Oaccum.get_thread_slice(mma_tidx);
+    Tensor rO = FLASH_NAMESPACE::convert_type<ElementO>(acc_o);
+    Tensor taccOrOaccum = smem_thr_copy_Oaccum.retile_S(rO);        // ((Atom,AtomNum), MMA_M, MMA_N)
+    Tensor taccOsOaccum = smem_thr_copy_Oaccum.partition_D(sOaccum);     // ((Atom,AtomNum),PIPE_M,PIPE_N)
+    // sOaccum overlaps sQ and, in fp32, sK and sV: wait until every warp is done with them.
+    __syncthreads();
+    if (!kKeySplit || warp == 0) { cute::copy(smem_tiled_copy_Oaccum, taccOrOaccum, taccOsOaccum); }
+
+    if ((!kKeySplit || warp == 0) && get<1>(taccOcO_row(0)) == 0) {
         #pragma unroll
         for (int mi = 0; mi < size(lse); ++mi) { output.write_lse(get<0>(taccOcO_row(mi)), lse(mi)); }
     }

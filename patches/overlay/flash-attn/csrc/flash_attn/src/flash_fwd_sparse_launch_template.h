@@ -82,6 +82,18 @@ struct Sparse_decode_kernel_traits
                                                          GmemLayoutAtomOaccum{}, Layout<Shape<_1, _4>>{}));
 };
 
+// Query tiles of 16 rows, four warps splitting each tile's keys (kBlockN / 4 each), merged at the
+// end: decode over short lists, where the 64-row tile computes 4-16x the real rows and the
+// one-warp 16-row tile walks each tile's 256 HMMA per warp serially. Same loads and tile keys
+// as the 64-row kernel (kBlockN), a quarter of each warp's matmul work per tile.
+template<int kHeadDim, typename T>
+struct Sparse_keysplit_kernel_traits
+    : public Flash_fwd_kernel_traits<kHeadDim, kSparseDecodeBlockM, sparse_max_tile_keys(kHeadDim), 4, false, false, T> {
+    using FwdTraits = Flash_fwd_kernel_traits<kHeadDim, kSparseDecodeBlockM, sparse_max_tile_keys(kHeadDim), 4, false, false, T>;
+    static constexpr bool kSparseKeySplit = true;
+    using TiledMma = TiledMMA<typename FwdTraits::MMA_Atom_Arch, Layout<Shape<_1, _1, _1>>, Tile<_16, _16, _16>>;
+};
+
 // The 64-row, 4-warp tile: the tile shape of the dense split-KV kernel.
 template<int Headdim, typename T>
 using Sparse_narrow_kernel_traits = Flash_fwd_kernel_traits<Headdim, kSparseNarrowBlockM, sparse_max_tile_keys(Headdim), 4, false, false, T>;
@@ -102,9 +114,15 @@ template<typename T, int Headdim>
 void run_mha_fwd_sparse_narrow_(Flash_fwd_params &params, cudaStream_t stream, bool split) {
     if (sparse_decode_tile(params)) {
         run_flash_sparse_fwd_split_or_not<Sparse_decode_kernel_traits<Headdim, T>>(params, stream, split);
-    } else {
-        run_flash_sparse_fwd_split_or_not<Sparse_narrow_kernel_traits<Headdim, T>>(params, stream, split);
+        return;
     }
+    if constexpr (Headdim <= 128) {  // above, a warp's 16 x Headdim fp32 O would not fit its registers
+        if (params.seqlen_q * params.sparse_pack_gqa <= kSparseDecodeBlockM) {
+            run_flash_sparse_fwd_split_or_not<Sparse_keysplit_kernel_traits<Headdim, T>>(params, stream, split);
+            return;
+        }
+    }
+    run_flash_sparse_fwd_split_or_not<Sparse_narrow_kernel_traits<Headdim, T>>(params, stream, split);
 }
 
 // The merge of params.num_splits slots of oaccum / lseaccum (flash_sparse_combine.h).
