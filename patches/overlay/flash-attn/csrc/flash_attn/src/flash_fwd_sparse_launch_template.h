@@ -17,7 +17,7 @@
 namespace FLASH_NAMESPACE {
 
 template<typename Kernel_traits, bool Is_even_K, bool Split, bool Paged>
-__global__ void flash_fwd_sparse_kernel(KERNEL_PARAM_MODIFIER const Flash_fwd_params params) {
+__forceinline__ __device__ void run_sparse_tile(const Flash_fwd_params &params) {
     #if defined(ARCH_SUPPORTS_FLASH)
         #if __CUDA_ARCH__ >= 900
         // Lets the combine launched after a split call start now (it waits for this grid to
@@ -37,6 +37,18 @@ __global__ void flash_fwd_sparse_kernel(KERNEL_PARAM_MODIFIER const Flash_fwd_pa
     #endif
 }
 
+template<typename Kernel_traits, bool Is_even_K, bool Split, bool Paged>
+__global__ void flash_fwd_sparse_kernel(KERNEL_PARAM_MODIFIER const Flash_fwd_params params) {
+    run_sparse_tile<Kernel_traits, Is_even_K, Split, Paged>(params);
+}
+
+// The key-split tile's registers bounded for three CTAs per SM, as its 68 KB of shared memory
+// allows (165-168 registers, <= 16 B of spills at d128; unbounded it took 211-226, two per SM).
+template<typename Kernel_traits, bool Is_even_K, bool Split, bool Paged>
+__global__ void __launch_bounds__(Kernel_traits::kNThreads, 3) flash_fwd_sparse_kernel_keysplit(KERNEL_PARAM_MODIFIER const Flash_fwd_params params) {
+    run_sparse_tile<Kernel_traits, Is_even_K, Split, Paged>(params);
+}
+
 // Split=false writes O and LSE; Split=true writes fp32 partials to slots
 // [sparse_split_offset, sparse_split_offset + num_splits) of oaccum / lseaccum.
 template<typename Kernel_traits, bool Split>
@@ -49,7 +61,13 @@ void run_flash_sparse_fwd(Flash_fwd_params &params, cudaStream_t stream) {
     const bool is_even_K = params.d == Kernel_traits::kHeadDim;
     EVENK_SWITCH(is_even_K, IsEvenKConst, [&] {
         BOOL_SWITCH(params.block_table != nullptr, PagedConst, [&] {
-            auto kernel = &flash_fwd_sparse_kernel<Kernel_traits, IsEvenKConst, Split, PagedConst>;
+            auto kernel = [] {
+                if constexpr (is_sparse_keysplit<Kernel_traits>::value) {
+                    return &flash_fwd_sparse_kernel_keysplit<Kernel_traits, IsEvenKConst, Split, PagedConst>;
+                } else {
+                    return &flash_fwd_sparse_kernel<Kernel_traits, IsEvenKConst, Split, PagedConst>;
+                }
+            }();
             if (smem_size >= 48 * 1024) {
                 C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem_size));
             }
