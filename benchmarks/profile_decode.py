@@ -2,7 +2,10 @@
 bytes (fixed cost + bytes / bandwidth) per split count, on the decode shapes of bench_sparse;
 then each shape with every block listed beside upstream's dense FA-2 call.
 
-    python benchmarks/profile_decode.py [--shapes "B8 Sq16"] [--ncu-target "B8 Sq16"]
+    python benchmarks/profile_decode.py [--shapes "B8 Sq16"] [--ncu-target "B8 Sq16"] [--split-sweep]
+
+--split-sweep times each split count on the 1/16 lists of the shapes instead, beside the
+heuristic's pick (num_splits=0), to check the heuristic against the measured best.
 
 --ncu-target runs only a few plain calls of one shape at 1/16 density, for
 `ncu -k regex:flash_fwd_sparse ...` to profile (no graphs, no sweep); with --ncu-speculative,
@@ -107,6 +110,17 @@ def profile_shape(shape):
         print(f"{label} | " + " | ".join(f"{t:.1f}" for t in row) + f" | {fixed:.1f} | {1e-6 / slope:.2f}", flush=True)
 
 
+def split_sweep(shape, max_splits: int = 32):
+    """Graph us of the 1/16 call at each split count; the heuristic's pick is num_splits=0."""
+    q, k, v = random_inputs(shape)
+    blocks = to_blocks(make_lists(shape, random.Random(0)), shape)
+    call = lambda splits: fas.flash_attn_with_sparse_block_table(q, k, v, blocks, backend="fa2", num_splits=splits)
+    times = {splits: 1e3 * timed(lambda: call(splits)) for splits in range(max_splits + 1)}
+    best = min(range(1, max_splits + 1), key=times.get)
+    print(f"## {shape.name} at 1/16: graph us per split count; auto {times[0]:.1f}, best {best} splits {times[best]:.1f}")
+    print(" | ".join(f"{splits}: {us:.1f}" for splits, us in times.items() if splits), flush=True)
+
+
 def profile_dense(shape):
     """Every block listed vs upstream's dense FA-2 on the same shape: the sparse kernel's own cost."""
     from flash_attn import flash_attn_func
@@ -129,6 +143,7 @@ def main():
                         help="with --ncu-target: every block listed, 3 calls, then 3 of upstream's dense flash_attn_func")
     parser.add_argument("--ncu-speculative", action="store_true",
                         help="with --ncu-target: 3 x (union pass, speculative call) at 1/16")
+    parser.add_argument("--split-sweep", action="store_true", help="only the split-count sweep at 1/16")
     args = parser.parse_args()
     sixteenth = [s for s in DECODE if s.density == 1 / 16]
     if args.ncu_target:
@@ -156,6 +171,10 @@ def main():
     print("(the sparse combine is a programmatic dependent launch: it starts while the split kernel runs,\n"
           " so its time below includes that wait; the graph time is the call's cost)", flush=True)
     wanted = lambda shape: any(part.strip() in shape.name for part in args.shapes.split(","))
+    if args.split_sweep:
+        for shape in filter(wanted, sixteenth):
+            split_sweep(shape)
+        return
     for shape in sixteenth:
         if wanted(shape):
             profile_shape(shape)
