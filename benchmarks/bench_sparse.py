@@ -121,6 +121,18 @@ def flex_block_mask(lists, shape):
                                     BLOCK_SIZE=(BLOCK, BLOCK), seq_lengths=(shape.seqlen_q, shape.seqlen_k))
 
 
+def rotating(calls):
+    """One zero-argument function that runs the next of `calls` each time: a graph captures
+    several in turn, so successive replays read different blocks (different list sets), as
+    calls over fresh lists would, instead of finding the last call's blocks in L2 (50 MB)."""
+    turn = [0]
+
+    def run():
+        turn[0] = (turn[0] + 1) % len(calls)
+        return calls[turn[0]]()
+    return run
+
+
 def timed(fn):
     """Median ms of graph replays; plain launches if fn cannot be captured."""
     try:
@@ -171,25 +183,17 @@ def bench_shape(shape, roofline, rows, methods):
               f"{100 * rows[-1].roofline_fraction:5.1f}% of roofline {note}", flush=True)
 
     blocks = [to_blocks(lists, shape) for lists in list_sets]
-    turn = [0]
 
     def ours(backend, num_splits=0):
-        def run():
-            turn[0] = (turn[0] + 1) % ROTATIONS
-            return fas.flash_attn_with_sparse_block_table(q, k, v, blocks[turn[0]], causal=shape.causal, backend=backend,
-                                                          num_splits=num_splits)
-        return run
+        return rotating([lambda b=b: fas.flash_attn_with_sparse_block_table(q, k, v, b, causal=shape.causal, backend=backend,
+                                                                            num_splits=num_splits) for b in blocks])
 
     if "copy" in methods and shape.seqlen_q <= 16:
         # The ceiling of one memory-bound kernel at this size: a device copy moving the counted
         # bytes (half read, half written), in graphs like the rest, sources rotating past L2.
         sources = [torch.empty(nbytes // 4, dtype=torch.bfloat16, device="cuda").normal_() for _ in range(ROTATIONS)]
         target = torch.empty_like(sources[0])
-
-        def run_copy():
-            turn[0] = (turn[0] + 1) % ROTATIONS
-            return target.copy_(sources[turn[0]])
-        add("copy_same_bytes", run_copy, "device copy of the counted bytes")
+        add("copy_same_bytes", rotating([lambda s=s: target.copy_(s) for s in sources]), "device copy of the counted bytes")
         del sources, target
     if "fa2_sparse" in methods:
         add("fa2_sparse", ours("fa2"))
@@ -207,18 +211,20 @@ def bench_shape(shape, roofline, rows, methods):
         cute = fas.fa4.import_cute("interface")
         tensors = [fas.fa4.block_sparse_tensors(b, batch=shape.batch, num_heads=shape.heads, max_seqlen_q=shape.seqlen_q,
                                                 max_seqlen_k=shape.seqlen_k) for b in blocks]
-
-        def run_direct():
-            turn[0] = (turn[0] + 1) % ROTATIONS
-            return cute.flash_attn_func(q, k, v, causal=shape.causal, block_sparse_tensors=tensors[turn[0]], return_lse=True)
-        add("fa4_direct", run_direct, "CuTe-DSL kernel, lists pre-adapted")
+        add("fa4_direct", rotating([lambda t=t: cute.flash_attn_func(q, k, v, causal=shape.causal, block_sparse_tensors=t,
+                                                                     return_lse=True) for t in tensors]),
+            "CuTe-DSL kernel, lists pre-adapted")
     if "speculative" in methods and shape.density < 1:
         # The same union of blocks as a speculative set (the last 4 blocks, "mask" blocks) plus
         # the missed set, one pass (zero-copy form) and two passes + combine (gathered form).
-        missed, spec_table, k_spec, v_spec, union = speculative_inputs(shape, k, v, list_sets[0][0][0])
-        add("union_one_pass", lambda: fas.flash_attn_with_sparse_block_table(q, k, v, union), "shared list")
-        add("speculative_two_pass", lambda: fas.flash_attn_speculative_sparse(q, k_spec, v_spec, k, v, missed), "shared list")
-        add("speculative_zero_copy", lambda: fas.flash_attn_speculative_sparse_zero_copy(q, k, v, spec_table, missed), "shared list")
+        # Like the other rows, the lists rotate (one per list set) so that they are not read from L2.
+        spec = [speculative_inputs(shape, k, v, lists[0][0]) for lists in list_sets]
+        add("union_one_pass", rotating([lambda s=s: fas.flash_attn_with_sparse_block_table(q, k, v, s[4]) for s in spec]),
+            "shared list")
+        add("speculative_two_pass", rotating([lambda s=s: fas.flash_attn_speculative_sparse(q, s[2], s[3], k, v, s[0])
+                                              for s in spec]), "shared list")
+        add("speculative_zero_copy", rotating([lambda s=s: fas.flash_attn_speculative_sparse_zero_copy(q, k, v, s[1], s[0])
+                                               for s in spec]), "shared list")
     if shape.density == 1.0 and "fa2_dense" in methods:
         from flash_attn import flash_attn_func
         add("fa2_dense", lambda: flash_attn_func(q, k, v, causal=shape.causal))
@@ -235,11 +241,7 @@ def bench_shape(shape, roofline, rows, methods):
         flex = torch.compile(flex_attention)
         masks = [flex_block_mask(lists, shape) for lists in list_sets]
         qt, kt, vt = (x.transpose(1, 2) for x in (q, k, v))
-
-        def run_flex():
-            turn[0] = (turn[0] + 1) % ROTATIONS
-            return flex(qt, kt, vt, block_mask=masks[turn[0]], enable_gqa=True)
-        add("flex_attention", run_flex)
+        add("flex_attention", rotating([lambda m=m: flex(qt, kt, vt, block_mask=m, enable_gqa=True) for m in masks]))
 
 
 DECODE = [Shape(f"decode B8 Sq{sq} H32/8 Sk32k", 8, sq, 32768, 32, 8, d) for sq in (16, 1) for d in (1.0, 1 / 4, 1 / 16)] + \

@@ -1,6 +1,7 @@
 """Where decode time goes: per-kernel GPU times of one call, and a fit of time against listed
 bytes (fixed cost + bytes / bandwidth) per split count, on the decode shapes of bench_sparse;
-then each shape with every block listed beside upstream's dense FA-2 call.
+then each shape with every block listed beside upstream's dense FA-2 call. Sparse calls rotate
+through four list sets, as bench_sparse's do, so their blocks come from HBM and not from L2.
 
     python benchmarks/profile_decode.py [--shapes "B8 Sq16"] [--ncu-target "B8 Sq16"] [--split-sweep]
 
@@ -22,13 +23,19 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_sparse import BLOCK, DECODE, make_lists, random_inputs, speculative_inputs, to_blocks  # noqa: E402
+from bench_sparse import BLOCK, DECODE, ROTATIONS, make_lists, random_inputs, rotating, speculative_inputs, to_blocks  # noqa: E402
 from triton.testing import do_bench_cudagraph  # noqa: E402
 
 import flash_attn_sparse as fas  # noqa: E402
 
 LIST_LENGTHS = (0, 1, 2, 4, 8, 16, 32, 64, 128, 256)
 SPLITS = (0, 1, 2, 4, 8)
+
+
+def rotated_lists(shape):
+    """bench_sparse's list sets: calls rotate through them, so blocks come from HBM, not L2."""
+    rng = random.Random(0)
+    return [make_lists(shape, rng) for _ in range(ROTATIONS)]
 
 
 def timed(fn):
@@ -74,16 +81,18 @@ def describe(breakdown) -> str:
 
 def profile_shape(shape):
     q, k, v = random_inputs(shape)
-    lists = make_lists(shape, random.Random(0))
-    blocks = to_blocks(lists, shape)
-    missed, spec_table, k_spec, v_spec, union = speculative_inputs(shape, k, v, lists[0][0])
+    list_sets = rotated_lists(shape)
+    blocks = [to_blocks(lists, shape) for lists in list_sets]
+    spec = [speculative_inputs(shape, k, v, lists[0][0]) for lists in list_sets]
     n_blocks = shape.seqlen_k // BLOCK
     methods = {
-        "fa2_sparse": lambda: fas.flash_attn_with_sparse_block_table(q, k, v, blocks, backend="fa2"),
-        "fa2_sparse splits=1": lambda: fas.flash_attn_with_sparse_block_table(q, k, v, blocks, backend="fa2", num_splits=1),
-        "union_one_pass": lambda: fas.flash_attn_with_sparse_block_table(q, k, v, union, backend="fa2"),
-        "speculative_two_pass": lambda: fas.flash_attn_speculative_sparse(q, k_spec, v_spec, k, v, missed),
-        "speculative_zero_copy": lambda: fas.flash_attn_speculative_sparse_zero_copy(q, k, v, spec_table, missed),
+        "fa2_sparse": rotating([lambda b=b: fas.flash_attn_with_sparse_block_table(q, k, v, b, backend="fa2") for b in blocks]),
+        "fa2_sparse splits=1": rotating([lambda b=b: fas.flash_attn_with_sparse_block_table(q, k, v, b, backend="fa2", num_splits=1)
+                                         for b in blocks]),
+        "union_one_pass": rotating([lambda s=s: fas.flash_attn_with_sparse_block_table(q, k, v, s[4], backend="fa2") for s in spec]),
+        "speculative_two_pass": rotating([lambda s=s: fas.flash_attn_speculative_sparse(q, s[2], s[3], k, v, s[0]) for s in spec]),
+        "speculative_zero_copy": rotating([lambda s=s: fas.flash_attn_speculative_sparse_zero_copy(q, k, v, s[1], s[0])
+                                           for s in spec]),
     }
     print(f"## {shape.name} at 1/16: graph ms and kernels of one call (plain launches, us)")
     for name, fn in methods.items():
@@ -98,8 +107,10 @@ def profile_shape(shape):
     for splits in SPLITS:
         row = []
         for n in LIST_LENGTHS:
-            table = torch.arange(n_blocks - n, n_blocks, dtype=torch.int32, device="cuda")
-            ms = timed(lambda: fas.flash_attn_with_sparse_block_table(q, k, v, table, backend="fa2", num_splits=splits))
+            tables = [torch.tensor(sorted(random.Random(r).sample(range(n_blocks), n)), dtype=torch.int32, device="cuda")
+                      for r in range(ROTATIONS)]
+            ms = timed(rotating([lambda t=t: fas.flash_attn_with_sparse_block_table(q, k, v, t, backend="fa2", num_splits=splits)
+                                 for t in tables]))
             row.append(1e3 * ms)
         xs = [n * bytes_per_block for n in LIST_LENGTHS[3:]]  # fit on 4+ blocks: past the one-tile regime
         ys = row[3:]
@@ -113,9 +124,10 @@ def profile_shape(shape):
 def split_sweep(shape, max_splits: int = 32):
     """Graph us of the 1/16 call at each split count; the heuristic's pick is num_splits=0."""
     q, k, v = random_inputs(shape)
-    blocks = to_blocks(make_lists(shape, random.Random(0)), shape)
-    call = lambda splits: fas.flash_attn_with_sparse_block_table(q, k, v, blocks, backend="fa2", num_splits=splits)
-    times = {splits: 1e3 * timed(lambda: call(splits)) for splits in range(max_splits + 1)}
+    blocks = [to_blocks(lists, shape) for lists in rotated_lists(shape)]
+    call = lambda splits: rotating([lambda b=b: fas.flash_attn_with_sparse_block_table(q, k, v, b, backend="fa2", num_splits=splits)
+                                    for b in blocks])
+    times = {splits: 1e3 * timed(call(splits)) for splits in range(max_splits + 1)}
     best = min(range(1, max_splits + 1), key=times.get)
     print(f"## {shape.name} at 1/16: graph us per split count; auto {times[0]:.1f}, best {best} splits {times[best]:.1f}")
     print(" | ".join(f"{splits}: {us:.1f}" for splits, us in times.items() if splits), flush=True)
