@@ -2,8 +2,8 @@
 
 Runs memcheck, racecheck and initcheck, each over this file's --cases: adversarial valid calls
 (lists that are empty, one block, the tail block only, every block, as long as the row) of the
-non-split, split, GQA-packed, paged, varlen, decode-tile, one-launch speculative and partials +
-combine paths, small enough for the tools.
+non-split, split, GQA-packed, paged, varlen, decode-tile, key-split-tile, one-launch speculative
+and partials + combine paths, small enough for the tools.
 Prints one summary line per tool and exits non-zero if any reports an error.
 """
 
@@ -75,6 +75,15 @@ def cases():
     for num_splits in (0, 1, 3):
         fas.flash_attn_with_sparse_block_table(q1, k1, v1, every, num_splits=num_splits)
     print("decode tile: ok", flush=True)
+    # Decode over short lists: the 16-row tile whose four warps split the keys and merge in shared
+    # memory (permuted, with the partial tail block 257), split and not; then the one-launch
+    # speculative call at one query row, whose causal mask blocks also run in that tile.
+    short = torch.tensor([257, 3, 100, 256, 40], dtype=torch.int32, device="cuda")
+    k_spec1, v_spec1 = randn(4, 300, 8, dim), randn(4, 300, 8, dim)
+    for num_splits in (0, 1, 3):
+        fas.flash_attn_with_sparse_block_table(q1, k1, v1, short, num_splits=num_splits)
+        fas.flash_attn_speculative_sparse(q1, k_spec1, v_spec1, k1, v1, short[1:], block_size=128, num_splits=num_splits)
+    print("key-split tile: ok", flush=True)
     # Speculative in one launch: the mask blocks read k_spec / v_spec (a separate allocation,
     # 300 keys: a partial last block) through the address shift; an empty missed set too.
     k_spec, v_spec = randn(batch, 300, heads_k, dim), randn(batch, 300, heads_k, dim)
