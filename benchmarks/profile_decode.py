@@ -5,8 +5,8 @@ through four list sets, as bench_sparse's do, so their blocks come from HBM and 
 
     python benchmarks/profile_decode.py [--shapes "B8 Sq16"] [--ncu-target "B8 Sq16"] [--split-sweep]
 
---split-sweep times each split count on the 1/16 lists of the shapes instead, beside the
-heuristic's pick (num_splits=0), to check the heuristic against the measured best.
+--split-sweep times each split count on the 1/4 and 1/16 lists of the shapes instead, beside
+the heuristic's pick (num_splits=0), to check the heuristic against the measured best.
 
 --ncu-target runs only a few plain calls of one shape at 1/16 density, for
 `ncu -k regex:flash_fwd_sparse ...` to profile (no graphs, no sweep); with --ncu-speculative,
@@ -122,14 +122,14 @@ def profile_shape(shape):
 
 
 def split_sweep(shape, max_splits: int = 32):
-    """Graph us of the 1/16 call at each split count; the heuristic's pick is num_splits=0."""
+    """Graph us of the call at each split count; the heuristic's pick is num_splits=0."""
     q, k, v = random_inputs(shape)
     blocks = [to_blocks(lists, shape) for lists in rotated_lists(shape)]
     call = lambda splits: rotating([lambda b=b: fas.flash_attn_with_sparse_block_table(q, k, v, b, backend="fa2", num_splits=splits)
                                     for b in blocks])
     times = {splits: 1e3 * timed(call(splits)) for splits in range(max_splits + 1)}
     best = min(range(1, max_splits + 1), key=times.get)
-    print(f"## {shape.name} at 1/16: graph us per split count; auto {times[0]:.1f}, best {best} splits {times[best]:.1f}")
+    print(f"## {shape.name} at 1/{round(1 / shape.density)}: graph us per split count; auto {times[0]:.1f}, best {best} splits {times[best]:.1f}")
     print(" | ".join(f"{splits}: {us:.1f}" for splits, us in times.items() if splits), flush=True)
 
 
@@ -155,7 +155,7 @@ def main():
                         help="with --ncu-target: every block listed, 3 calls, then 3 of upstream's dense flash_attn_func")
     parser.add_argument("--ncu-speculative", action="store_true",
                         help="with --ncu-target: 3 x (union pass, speculative call) at 1/16")
-    parser.add_argument("--split-sweep", action="store_true", help="only the split-count sweep at 1/16")
+    parser.add_argument("--split-sweep", action="store_true", help="only the split-count sweep at 1/4 and 1/16")
     args = parser.parse_args()
     sixteenth = [s for s in DECODE if s.density == 1 / 16]
     if args.ncu_target:
@@ -184,7 +184,7 @@ def main():
           " so its time below includes that wait; the graph time is the call's cost)", flush=True)
     wanted = lambda shape: any(part.strip() in shape.name for part in args.shapes.split(","))
     if args.split_sweep:
-        for shape in filter(wanted, sixteenth):
+        for shape in filter(wanted, (s for s in DECODE if s.density < 1)):
             split_sweep(shape)
         return
     for shape in sixteenth:
