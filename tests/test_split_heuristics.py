@@ -2,8 +2,10 @@
 
 import re
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
+import torch
 
 from flash_attn_sparse import interface
 from flash_attn_sparse.interface import _decode_tile, choose_num_splits
@@ -16,12 +18,27 @@ H200_SLOTS = 2 * 132  # two split-kernel CTAs per SM
 @pytest.mark.parametrize("ctas,tiles,expected", [
     (64, 16, 4),     # B8 Hk8 decode at 1/16 of 32k keys: one wave of 256 CTAs
     (8, 64, 32),     # B1 Hk8 at 1/16 of 128k keys
+    (64, 64, 4),     # B8 Hk8 Sq1 at 1/4: 4 splits measured fastest of 1-32 (run 41)
+    (8, 256, 29),    # B1 Hk8 at 1/4: 39.7 us, within 0.1 us of the best of 1-32 (run 41)
     (256, 16, 1),    # the CTAs already fill the GPU
     (64, 1, 1),      # one tile cannot be split
 ])
 def test_choose_num_splits(ctas, tiles, expected):
     assert choose_num_splits(ctas, H200_SLOTS, tiles) == expected
 
+
+@pytest.mark.parametrize("batch,seqlen_k,list_blocks,expected", [
+    (8, 32768, 16, (64, H200_SLOTS, 16)),       # B8 Sq1 at 1/16: the key-split tile, counted as two per SM
+    (8, 32768, 256, (64, 3 * 132, 256)),        # every block listed: the one-warp decode tile, three per SM
+])
+def test_split_work_counts_three_ctas_per_sm_only_for_the_decode_tile(monkeypatch, batch, seqlen_k, list_blocks, expected):
+    """The key-split tile fits three CTAs per SM, but the heuristic counts two for it (run 41:
+    fewer, longer splits measured faster, 4 instead of 6 at B8 Sq1 1/16); the one-warp decode
+    tile counts three (run 21)."""
+    monkeypatch.setattr(interface, "_num_sms", lambda index: 132)
+    call = SimpleNamespace(q=torch.empty(batch, 1, 32, 128), k=torch.empty(batch, 0, 8, 128), pack_gqa=True, batch=batch,
+                           max_seqlen_q=1, blocks=SimpleNamespace(block_size=128), max_list_length=lambda: list_blocks)
+    assert interface._Call.split_work(call) == expected
 
 
 @pytest.mark.parametrize("packed_rows,list_keys,ctas,decode_tile", [

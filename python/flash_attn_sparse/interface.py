@@ -77,11 +77,13 @@ def choose_num_splits(batch_heads_mblocks: int, num_sms: int, num_tiles: int, ma
     return 1
 
 
-def _split_slots(q: Tensor, sixteen_row_tile: bool) -> int:
-    """CTAs of the split-capable kernel resident at once: two 128-thread CTAs per SM, as upstream
-    assumes; three of the 16-row tiles (68 KB of shared memory at head dim 128; the key-split
-    tile's registers are bounded for three)."""
-    return (3 if sixteen_row_tile else 2) * _num_sms(q.device.index or 0)
+def _split_slots(q: Tensor, decode_tile: bool) -> int:
+    """CTAs per wave that the split heuristic fills: two per SM, as upstream assumes, and three of
+    the one-warp decode tile. The key-split tile fits three per SM too, but counted as two it
+    picks fewer, longer splits, which measured faster: run 41's sweep (H200, lists from HBM), 4
+    splits instead of 6 at B8 Sq1 1/4 and 1/16 (-1.2 us each), 29 instead of 37 at B1 1/4 (-2.2
+    us), and 32 as before at B1 1/16."""
+    return (3 if decode_tile else 2) * _num_sms(q.device.index or 0)
 
 
 def _check_qkv(q: Tensor, k: Tensor, v: Tensor, varlen: bool, paged: bool = False) -> Tuple[Tensor, Tensor, Tensor]:
@@ -308,19 +310,18 @@ class _Call:
                 self.scale, self.causal, num_splits, self.pack_gqa, self.page_table, k_source, v_source)
 
     def split_work(self) -> Tuple[int, int, int]:
-        """(CTAs per split, CTAs resident at once, kernel tiles of the longest list) of the
-        split-capable kernel, in the form it runs (run_mha_fwd_sparse_narrow_): the one-warp
-        16-row decode tile, else for packed rows that fit 16 rows (head dim <= 128) the 16-row
-        tile whose warps split the keys, else 64-row tiles."""
+        """(CTAs per split, CTAs per wave, kernel tiles of the longest list) of the split-capable
+        kernel, in the form it runs (run_mha_fwd_sparse_narrow_): the one-warp 16-row decode
+        tile, else for packed rows that fit 16 rows (head dim <= 128) the 16-row tile whose warps
+        split the keys, else 64-row tiles; the last two have the same CTAs and tiles here."""
         group = self.q.shape[-2] // self.k.shape[-2] if self.pack_gqa else 1
         tile_heads = self.batch * (self.q.shape[-2] // group)
         max_list_keys = self.max_list_length() * self.blocks.block_size
         packed_rows = self.max_seqlen_q * group
         decode_tile = _decode_tile(packed_rows, max_list_keys, tile_heads)
-        keysplit_tile = not decode_tile and packed_rows <= DECODE_KERNEL_ROWS and self.q.shape[-1] <= 128
         ctas = tile_heads * cdiv(packed_rows, KERNEL_ROWS)
         tiles = cdiv(max_list_keys, _tile_n(self.q.shape[-1], decode_tile))
-        return ctas, _split_slots(self.q, decode_tile or keysplit_tile), max(tiles, 1)
+        return ctas, _split_slots(self.q, decode_tile), max(tiles, 1)
 
     def num_splits(self) -> int:
         """The requested split count, or the heuristic's choice for 0."""
