@@ -168,6 +168,8 @@ def bench_shape(shape, roofline, rows, methods):
     list_sets = [make_lists(shape, rng) for _ in range(ROTATIONS)]
     flops, nbytes = counted_work(shape, list_sets[0])
     roof_ms = max(flops / (matmul_tflops * 1e12), nbytes / (copy_tbps * 1e12)) * 1e3
+    print(f"  counted: {flops / 1e9:.2f} GFLOP of listed (query, key) pairs, {nbytes / 1e6:.1f} MB (listed K/V once "
+          f"per KV head, Q and O); roofline {roof_ms * 1e3:.1f} us", flush=True)
 
     def add(method, fn, note=""):
         try:
