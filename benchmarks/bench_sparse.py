@@ -20,9 +20,11 @@ import sys
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
+from torch import Tensor
 from triton.testing import do_bench, do_bench_cudagraph
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "python"))
@@ -150,22 +152,48 @@ def random_inputs(shape, seed=0):
     return q, k, torch.randn_like(k)
 
 
-def speculative_inputs(shape, k, v, listed):
-    """A speculative set (the last 4 blocks) and the missed set (the other listed blocks), as
-    tables, the gathered speculative K/V, and the union table."""
+def rotated_list_sets(shape):
+    """ROTATIONS list sets of the shape; calls rotate through them (see rotating)."""
+    rng = random.Random(0)
+    return [make_lists(shape, rng) for _ in range(ROTATIONS)]
+
+
+class SpeculativeInputs(NamedTuple):
+    missed: Tensor      # table of the listed blocks outside the speculative set
+    spec_table: Tensor  # the speculative set: the last 4 blocks
+    k_spec: Tensor      # their K and V, gathered
+    v_spec: Tensor
+    union: Tensor       # missed + spec_table
+
+
+def speculative_inputs(shape, k, v, listed) -> SpeculativeInputs:
+    """A speculative set (the last 4 blocks) and the missed set (the other blocks of `listed`)."""
     n_blocks = shape.seqlen_k // BLOCK
     spec_blocks = list(range(n_blocks - 4, n_blocks))
     missed = torch.tensor(sorted(set(listed) - set(spec_blocks)), dtype=torch.int32, device="cuda")
     spec_table = torch.tensor(spec_blocks, dtype=torch.int32, device="cuda")
     k_spec, v_spec = k[:, spec_blocks[0] * BLOCK:].contiguous(), v[:, spec_blocks[0] * BLOCK:].contiguous()
-    return missed, spec_table, k_spec, v_spec, torch.cat([missed, spec_table])
+    return SpeculativeInputs(missed, spec_table, k_spec, v_spec, torch.cat([missed, spec_table]))
+
+
+def speculative_calls(shape, q, k, v, list_sets, backend="auto"):
+    """{name: call} of the union pass and the two speculative forms over the same blocks (the
+    first list of each list set, shared by every row), each rotating through the list sets."""
+    spec = [speculative_inputs(shape, k, v, lists[0][0]) for lists in list_sets]
+    return {
+        "union_one_pass": rotating([lambda s=s: fas.flash_attn_with_sparse_block_table(q, k, v, s.union, backend=backend)
+                                    for s in spec]),
+        "speculative_two_pass": rotating([lambda s=s: fas.flash_attn_speculative_sparse(q, s.k_spec, s.v_spec, k, v, s.missed)
+                                          for s in spec]),
+        "speculative_zero_copy": rotating([lambda s=s: fas.flash_attn_speculative_sparse_zero_copy(q, k, v, s.spec_table,
+                                                                                                     s.missed) for s in spec]),
+    }
 
 
 def bench_shape(shape, roofline, rows, methods):
     copy_tbps, matmul_tflops = roofline
-    rng = random.Random(0)
     q, k, v = random_inputs(shape)
-    list_sets = [make_lists(shape, rng) for _ in range(ROTATIONS)]
+    list_sets = rotated_list_sets(shape)
     flops, nbytes = counted_work(shape, list_sets[0])
     roof_ms = max(flops / (matmul_tflops * 1e12), nbytes / (copy_tbps * 1e12)) * 1e3
     print(f"  counted: {flops / 1e9:.2f} GFLOP of listed (query, key) pairs, {nbytes / 1e6:.1f} MB (listed K/V once "
@@ -219,14 +247,8 @@ def bench_shape(shape, roofline, rows, methods):
     if "speculative" in methods and shape.density < 1:
         # The same union of blocks as a speculative set (the last 4 blocks, "mask" blocks) plus
         # the missed set, one pass (zero-copy form) and two passes + combine (gathered form).
-        # Like the other rows, the lists rotate (one per list set) so that they are not read from L2.
-        spec = [speculative_inputs(shape, k, v, lists[0][0]) for lists in list_sets]
-        add("union_one_pass", rotating([lambda s=s: fas.flash_attn_with_sparse_block_table(q, k, v, s[4]) for s in spec]),
-            "shared list")
-        add("speculative_two_pass", rotating([lambda s=s: fas.flash_attn_speculative_sparse(q, s[2], s[3], k, v, s[0])
-                                              for s in spec]), "shared list")
-        add("speculative_zero_copy", rotating([lambda s=s: fas.flash_attn_speculative_sparse_zero_copy(q, k, v, s[1], s[0])
-                                               for s in spec]), "shared list")
+        for name, call in speculative_calls(shape, q, k, v, list_sets).items():
+            add(name, call, "shared list")
     if shape.density == 1.0 and "fa2_dense" in methods:
         from flash_attn import flash_attn_func
         add("fa2_dense", lambda: flash_attn_func(q, k, v, causal=shape.causal))

@@ -23,19 +23,14 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_sparse import BLOCK, DECODE, ROTATIONS, make_lists, random_inputs, rotating, speculative_inputs, to_blocks  # noqa: E402
+from bench_sparse import (BLOCK, DECODE, ROTATIONS, make_lists, random_inputs, rotated_list_sets, rotating,  # noqa: E402
+                          speculative_calls, speculative_inputs, to_blocks)
 from triton.testing import do_bench_cudagraph  # noqa: E402
 
 import flash_attn_sparse as fas  # noqa: E402
 
 LIST_LENGTHS = (0, 1, 2, 4, 8, 16, 32, 64, 128, 256)
 SPLITS = (0, 1, 2, 4, 8)
-
-
-def rotated_lists(shape):
-    """bench_sparse's list sets: calls rotate through them, so blocks come from HBM, not L2."""
-    rng = random.Random(0)
-    return [make_lists(shape, rng) for _ in range(ROTATIONS)]
 
 
 def timed(fn):
@@ -81,18 +76,14 @@ def describe(breakdown) -> str:
 
 def profile_shape(shape):
     q, k, v = random_inputs(shape)
-    list_sets = rotated_lists(shape)
+    list_sets = rotated_list_sets(shape)
     blocks = [to_blocks(lists, shape) for lists in list_sets]
-    spec = [speculative_inputs(shape, k, v, lists[0][0]) for lists in list_sets]
     n_blocks = shape.seqlen_k // BLOCK
     methods = {
         "fa2_sparse": rotating([lambda b=b: fas.flash_attn_with_sparse_block_table(q, k, v, b, backend="fa2") for b in blocks]),
         "fa2_sparse splits=1": rotating([lambda b=b: fas.flash_attn_with_sparse_block_table(q, k, v, b, backend="fa2", num_splits=1)
                                          for b in blocks]),
-        "union_one_pass": rotating([lambda s=s: fas.flash_attn_with_sparse_block_table(q, k, v, s[4], backend="fa2") for s in spec]),
-        "speculative_two_pass": rotating([lambda s=s: fas.flash_attn_speculative_sparse(q, s[2], s[3], k, v, s[0]) for s in spec]),
-        "speculative_zero_copy": rotating([lambda s=s: fas.flash_attn_speculative_sparse_zero_copy(q, k, v, s[1], s[0])
-                                           for s in spec]),
+        **speculative_calls(shape, q, k, v, list_sets, backend="fa2"),
     }
     print(f"## {shape.name} at 1/16: graph ms and kernels of one call (plain launches, us)")
     for name, fn in methods.items():
@@ -124,7 +115,7 @@ def profile_shape(shape):
 def split_sweep(shape, max_splits: int = 32):
     """Graph us of the call at each split count; the heuristic's pick is num_splits=0."""
     q, k, v = random_inputs(shape)
-    blocks = [to_blocks(lists, shape) for lists in rotated_lists(shape)]
+    blocks = [to_blocks(lists, shape) for lists in rotated_list_sets(shape)]
     call = lambda splits: rotating([lambda b=b: fas.flash_attn_with_sparse_block_table(q, k, v, b, backend="fa2", num_splits=splits)
                                     for b in blocks])
     times = {splits: 1e3 * timed(call(splits)) for splits in range(max_splits + 1)}
@@ -164,10 +155,10 @@ def main():
         q, k, v = random_inputs(shape)
         lists = make_lists(shape, random.Random(0))
         if args.ncu_speculative:
-            missed, _, k_spec, v_spec, union = speculative_inputs(shape, k, v, lists[0][0])
+            spec = speculative_inputs(shape, k, v, lists[0][0])
             for _ in range(3):
-                fas.flash_attn_with_sparse_block_table(q, k, v, union, backend="fa2")
-                fas.flash_attn_speculative_sparse(q, k_spec, v_spec, k, v, missed)
+                fas.flash_attn_with_sparse_block_table(q, k, v, spec.union, backend="fa2")
+                fas.flash_attn_speculative_sparse(q, spec.k_spec, spec.v_spec, k, v, spec.missed)
             torch.cuda.synchronize()
             return
         blocks = to_blocks(lists, shape)

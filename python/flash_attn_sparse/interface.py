@@ -36,7 +36,7 @@ def _num_sms(device_index: int) -> int:
 
 
 KERNEL_ROWS = 64  # query rows per CTA of the split-capable kernel
-DECODE_KERNEL_ROWS = 16  # ... or of its 16-row forms (key-split; one-warp decode over long lists:)
+DECODE_KERNEL_ROWS = 16  # ... or of its 16-row forms: key-split, or one-warp decode over long lists when
 DECODE_MIN_LIST_KEYS = 16384  # flash_sparse.h's sparse_decode_tile, which says what was measured
 DECODE_MIN_TOTAL_KEYS = 1 << 20
 

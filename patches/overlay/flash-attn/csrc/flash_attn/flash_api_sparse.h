@@ -41,7 +41,7 @@ std::vector<at::Tensor> mha_fwd_sparse(
     std::optional<at::Tensor> k_mask_source_, std::optional<at::Tensor> v_mask_source_);
 
 // Merges partials (S x b x h x seqlen_q x d_rounded fp32, S x b x h x seqlen_q fp32) into out and
-// softmax_lse, laid out as mha_fwd_sparse returns them, with the split-KV combine kernel.
+// softmax_lse, laid out as mha_fwd_sparse returns them, with the sparse combine kernel (flash_sparse_combine.h).
 void mha_combine(const at::Tensor &out_partial, const at::Tensor &lse_partial,
                  at::Tensor out, at::Tensor softmax_lse, std::optional<at::Tensor> cu_seqlens_q_);
 

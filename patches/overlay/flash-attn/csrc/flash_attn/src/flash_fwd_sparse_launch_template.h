@@ -126,8 +126,9 @@ void run_flash_sparse_fwd_split_or_not(Flash_fwd_params &params, cudaStream_t st
 }
 
 // Query tiles of 64 rows: the tile shape of the dense split-KV kernel. Used for splits and
-// partials, and for short queries or 64-row table tiles; 16-row tiles for decode over long lists
-// (sparse_decode_tile).
+// partials, and for short queries or 64-row table tiles; 16-row tiles where the packed query rows
+// fit 16: the one-warp decode tile over long lists (sparse_decode_tile), else (head dim <= 128)
+// the key-split tile.
 template<typename T, int Headdim>
 void run_mha_fwd_sparse_narrow_(Flash_fwd_params &params, cudaStream_t stream, bool split) {
     if (sparse_decode_tile(params)) {
