@@ -12,7 +12,8 @@
 # (each diff in $VARIANTS, an experiment over this commit's patched tree, built as a mutant
 # wheel, then its GPU tests and profile_decode: a same-run comparison with the profile step;
 # make one with `PYTHONPATH=python python -m forktools variant BRANCH -o .carry/variants/BRANCH.diff`;
-# the branch's changed test files, copied into .carry/variants/BRANCH.tests/, replace main's for its tests),
+# the branch's changed test files, copied into .carry/variants/BRANCH.tests/, replace main's for its tests;
+# VARIANT_TESTS="NAME ..." runs the tests of those variants only ("none": timing only; default all)),
 # sweep (profile_decode.py --split-sweep: every split count at 1/4 and 1/16 beside the heuristic's pick),
 # ncu-dense (counters of the sparse kernel with every block listed beside upstream's dense kernel),
 # ncu-source (that kernel's per-SASS-instruction counters and stall samples, for the hot spots),
@@ -164,6 +165,7 @@ for s in $STEPS; do
             rm -rf "/tmp/site-$name" && python3 -m pip install -q --no-deps --no-index --target "/tmp/site-$name" "$mutant"
             PYTHONPATH=/tmp/site-$name timeout 300 python3 benchmarks/profile_decode.py > "$OUT/profile-$name.txt" 2>&1
             note "variant $name profile: $(wc -l < "$OUT/profile-$name.txt") lines"
+            case " ${VARIANT_TESTS:-all} " in *" all "*|*" $name "*) ;; *) note "variant $name tests: not run (not in VARIANT_TESTS)"; continue ;; esac
             # The branch's own test files, if carried beside the diff (NAME.tests/), replace main's for this run.
             if [ -d "${diff%.diff}.tests" ]; then
                 rm -rf /tmp/tests-main && cp -r tests /tmp/tests-main && cp "${diff%.diff}.tests"/* tests/
