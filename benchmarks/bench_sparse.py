@@ -7,7 +7,9 @@ as decode is served; plain launches where a method cannot be captured), effectiv
 KV head, plus Q and O) and the fraction of the roofline measured in the same run (copy bandwidth,
 bf16 matmul rate). Lists rotate between calls so the listed blocks are not served from L2.
 At decode shapes the row copy_same_bytes times a device copy moving the counted bytes: what one
-memory-bound kernel of that size reaches, launch and ramp included.
+memory-bound kernel of that size reaches, launch and ramp included; read_listed_blocks times a
+Triton kernel that reads exactly the listed K/V blocks and nothing else (listed_reader.py): the
+same scattered pieces, without the attention.
 
     python benchmarks/bench_sparse.py [--shapes "B8 Sq16,prefill"] [--out benchmarks/results]
     (nox -s bench): writes <date>-<gpu>-<commit>.json / .md / .png into --out.
@@ -225,6 +227,15 @@ def bench_shape(shape, roofline, rows, methods):
         target = torch.empty_like(sources[0])
         add("copy_same_bytes", rotating([lambda s=s: target.copy_(s) for s in sources]), "device copy of the counted bytes")
         del sources, target
+    if "read_listed" in methods and shape.seqlen_q <= 16:
+        # The ceiling of reading exactly the listed blocks' scattered pieces: one Triton program
+        # per listed block, loads and a sum only (listed_reader.py), checked once against torch.
+        from listed_reader import block_ids, read_listed_blocks, read_listed_blocks_reference
+        ids = [block_ids(lists) for lists in list_sets]
+        torch.testing.assert_close(read_listed_blocks(k, v, ids[0], BLOCK).double(),
+                                   read_listed_blocks_reference(k, v, ids[0], BLOCK), rtol=1e-4, atol=1e-2)
+        add("read_listed_blocks", rotating([lambda i=i: read_listed_blocks(k, v, i, BLOCK) for i in ids]),
+            "Triton: the listed K/V blocks read, nothing else")
     if "fa2_sparse" in methods:
         add("fa2_sparse", ours("fa2"))
     if "split_sweep" in methods and shape.seqlen_q <= 16:
@@ -281,7 +292,7 @@ CROSSOVER = [Shape(f"crossover B1 Sq{sq} H32/8 Sk16k", 1, sq, 16384, 32, 8, d, o
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--shapes", help="comma-separated substrings of shape names to run (default: all)")
-    parser.add_argument("--methods", default="copy,fa2_sparse,fa4_sparse,fa4_direct,auto,fa2_dense,speculative,sdpa,flex")
+    parser.add_argument("--methods", default="copy,read_listed,fa2_sparse,fa4_sparse,fa4_direct,auto,fa2_dense,speculative,sdpa,flex")
     parser.add_argument("--out", type=Path, help="folder for <date>-<gpu>-<commit>.json, .md and .png")
     parser.add_argument("--json", type=Path)
     parser.add_argument("--markdown", type=Path)
