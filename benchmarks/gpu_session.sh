@@ -69,10 +69,18 @@ start=$(date +%s)
 # A wheel carried back from an earlier call (.carry/wheel/dist-wheel.tar, as $OUT returns it) is
 # reused when its label (the hash of the patched tree and build profile) is this commit's.
 if [ -f .carry/wheel/dist-wheel.tar ]; then mkdir -p dist && tar xf .carry/wheel/dist-wheel.tar -C dist; fi
+# INSTALL_WHEEL=TAR skips the build and installs the wheel in TAR (a variant's, as the variants
+# step returns it), for benchmarks of a build whose tests already ran.
+if [ -n "${INSTALL_WHEEL:-}" ]; then
+    mkdir -p /tmp/given-wheel && tar xf "$INSTALL_WHEEL" -C /tmp/given-wheel
+    wheel=$(ls /tmp/given-wheel/flash_attn-*.whl | head -1)
+    note "wheel given: $(basename "$wheel") (no build)"
+else
 PYTHONPATH=python python3 -m forktools upstream --offline > "$LOGS/upstream.log" 2>&1 || { note "upstream cache: FAILED"; cat "$LOGS/upstream.log"; exit 1; }
 PYTHONPATH=python python3 -m forktools build --profile dev --jobs "$(nproc)" --reuse 2>&1 | tee "$LOGS/build.log" | grep -v '^  \[' || true
 cp build/logs/build-dev.log "$LOGS/build-full.log" 2>/dev/null
 wheel=$(ls -t dist/flash_attn-*.whl 2>/dev/null | grep -v mutant | head -1)
+fi
 [ -n "$wheel" ] || { note "build: FAILED (see build-full.log)"; tail -50 build/logs/build-dev.log; exit 1; }
 note "build: $(grep -o 'in [0-9]* s' "$LOGS/build.log" | tail -1) (wall $(( $(date +%s) - start )) s incl. re-lay), $(basename "$wheel"), $(du -m "$wheel" | cut -f1) MB"
 rm -rf /tmp/site && python3 -m pip install -q --no-deps --no-index --target /tmp/site "$wheel" || { note "install: FAILED"; exit 1; }
@@ -87,7 +95,7 @@ if [ -n "$CUTEDSL_PATH" ]; then  # where the CuTe-DSL pieces come from, and any 
     python3 -m pip list 2>/dev/null | grep -iE "cutlass|quack|flash|tvm|dlpack" > "$LOGS/cutedsl-packages.txt"
     python3 -c "import flash_attn_sparse.fa4 as f, quack, cutlass; print('quack', quack.__file__, 'cutlass', cutlass.__file__); f.import_cute('interface')" > "$LOGS/cutedsl-import.log" 2>&1
 fi
-tar cf "$OUT/dist-wheel.tar" -C dist "$(basename "$wheel")"  # "+" in the name does not come back; reuse: untar into dist/
+tar cf "$OUT/dist-wheel.tar" -C "$(dirname "$wheel")" "$(basename "$wheel")"  # "+" in the name does not come back; reuse: untar into dist/
 
 run_tests() {  # name, pytest args...
     local name=$1; shift
@@ -162,6 +170,7 @@ for s in $STEPS; do
             mutant=$(ls -t dist/flash_attn-*mutant*.whl 2>/dev/null | head -1)
             [ -n "$mutant" ] || { note "variant $name build: FAILED"; tail -30 build/logs/build-dev.log; continue; }
             note "variant $name build: $(( $(date +%s) - start )) s"
+            tar cf "$OUT/variant-$name-wheel.tar" -C "$(dirname "$mutant")" "$(basename "$mutant")"  # for INSTALL_WHEEL
             rm -rf "/tmp/site-$name" && python3 -m pip install -q --no-deps --no-index --target "/tmp/site-$name" "$mutant"
             PYTHONPATH=/tmp/site-$name timeout 300 python3 benchmarks/profile_decode.py > "$OUT/profile-$name.txt" 2>&1
             note "variant $name profile: $(wc -l < "$OUT/profile-$name.txt") lines"
