@@ -236,6 +236,14 @@ def bench_shape(shape, roofline, rows, methods):
                                    read_listed_blocks_reference(k, v, ids[0], BLOCK), rtol=1e-4, atol=1e-2)
         add("read_listed_blocks", rotating([lambda i=i: read_listed_blocks(k, v, i, BLOCK) for i in ids]),
             "Triton: the listed K/V blocks read, nothing else")
+        # The same with each program walking 2 or 4 blocks in turn, as a split of the sparse
+        # kernel walks its share (2 tiles at B1 1/16, 4 at B8 1/16 with the default split count).
+        for walk in (2, 4):
+            if ids[0].shape[-1] % walk == 0 and ids[0].shape[-1] > walk:
+                torch.testing.assert_close(read_listed_blocks(k, v, ids[0], BLOCK, walk).double(),
+                                           read_listed_blocks_reference(k, v, ids[0], BLOCK), rtol=1e-4, atol=1e-2)
+                add(f"read_listed_walk{walk}", rotating([lambda i=i, w=walk: read_listed_blocks(k, v, i, BLOCK, w) for i in ids]),
+                    f"Triton: a program reads {walk} listed blocks in turn, as a split does")
     if "fa2_sparse" in methods:
         add("fa2_sparse", ours("fa2"))
     if "split_sweep" in methods and shape.seqlen_q <= 16:

@@ -14,7 +14,7 @@
 # make one with `PYTHONPATH=python python -m forktools variant BRANCH -o .carry/variants/BRANCH.diff`;
 # the branch's changed test files, copied into .carry/variants/BRANCH.tests/, replace main's for its tests;
 # VARIANT_TESTS="NAME ..." runs the tests of those variants only ("none": timing only; default all)),
-# sweep (profile_decode.py --split-sweep: every split count at 1/4 and 1/16 beside the heuristic's pick),
+# sweep (profile_decode.py --split-sweep $SWEEP_ARGS: every split count at 1/4 and 1/16 beside the heuristic's pick),
 # ncu-dense (counters of the sparse kernel with every block listed beside upstream's dense kernel),
 # ncu-source (that kernel's per-SASS-instruction counters and stall samples, for the hot spots),
 # ncu-spec (the same for the union pass and the one-launch speculative call at B8 Sq16 1/16, the
@@ -159,7 +159,7 @@ for s in $STEPS; do
         note "profile: $(wc -l < "$OUT/profile.txt") lines in profile.txt" ;;
     sweep)
         step sweep
-        timeout 300 python3 benchmarks/profile_decode.py --split-sweep > "$OUT/sweep.txt" 2>&1
+        timeout 300 python3 benchmarks/profile_decode.py --split-sweep ${SWEEP_ARGS:-} > "$OUT/sweep.txt" 2>&1
         note "sweep: $(grep -c '^##' "$OUT/sweep.txt") shapes" ;;
     variants)
         for diff in $VARIANTS; do

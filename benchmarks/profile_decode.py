@@ -147,6 +147,7 @@ def main():
     parser.add_argument("--ncu-speculative", action="store_true",
                         help="with --ncu-target: 3 x (union pass, speculative call) at 1/16")
     parser.add_argument("--split-sweep", action="store_true", help="only the split-count sweep at 1/4 and 1/16")
+    parser.add_argument("--max-splits", type=int, default=32, help="the sweep's largest split count")
     args = parser.parse_args()
     sixteenth = [s for s in DECODE if s.density == 1 / 16]
     if args.ncu_target:
@@ -176,7 +177,7 @@ def main():
     wanted = lambda shape: any(part.strip() in shape.name for part in args.shapes.split(","))
     if args.split_sweep:
         for shape in filter(wanted, (s for s in DECODE if s.density < 1)):
-            split_sweep(shape)
+            split_sweep(shape, args.max_splits)
         return
     for shape in sixteenth:
         if wanted(shape):
