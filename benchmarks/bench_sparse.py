@@ -137,6 +137,11 @@ def rotating(calls):
     return run
 
 
+def rotating_sparse_call(q, k, v, tables, **options):
+    """flash_attn_with_sparse_block_table over each of `tables` in turn (see rotating)."""
+    return rotating([lambda t=t: fas.flash_attn_with_sparse_block_table(q, k, v, t, **options) for t in tables])
+
+
 def timed(fn):
     """Median ms of graph replays; plain launches if fn cannot be captured."""
     try:
@@ -183,8 +188,7 @@ def speculative_calls(shape, q, k, v, list_sets, backend="auto"):
     first list of each list set, shared by every row), each rotating through the list sets."""
     spec = [speculative_inputs(shape, k, v, lists[0][0]) for lists in list_sets]
     return {
-        "union_one_pass": rotating([lambda s=s: fas.flash_attn_with_sparse_block_table(q, k, v, s.union, backend=backend)
-                                    for s in spec]),
+        "union_one_pass": rotating_sparse_call(q, k, v, [s.union for s in spec], backend=backend),
         "speculative_two_pass": rotating([lambda s=s: fas.flash_attn_speculative_sparse(q, s.k_spec, s.v_spec, k, v, s.missed)
                                           for s in spec]),
         "speculative_zero_copy": rotating([lambda s=s: fas.flash_attn_speculative_sparse_zero_copy(q, k, v, s.spec_table,
@@ -217,8 +221,7 @@ def bench_shape(shape, roofline, rows, methods):
     blocks = [to_blocks(lists, shape) for lists in list_sets]
 
     def ours(backend, num_splits=0):
-        return rotating([lambda b=b: fas.flash_attn_with_sparse_block_table(q, k, v, b, causal=shape.causal, backend=backend,
-                                                                            num_splits=num_splits) for b in blocks])
+        return rotating_sparse_call(q, k, v, blocks, causal=shape.causal, backend=backend, num_splits=num_splits)
 
     if "copy" in methods and shape.seqlen_q <= 16:
         # The ceiling of one memory-bound kernel at this size: a device copy moving the counted
@@ -228,22 +231,21 @@ def bench_shape(shape, roofline, rows, methods):
         add("copy_same_bytes", rotating([lambda s=s: target.copy_(s) for s in sources]), "device copy of the counted bytes")
         del sources, target
     if "read_listed" in methods and shape.seqlen_q <= 16:
-        # The ceiling of reading exactly the listed blocks' scattered pieces: one Triton program
-        # per listed block, loads and a sum only (listed_reader.py), checked once against torch.
+        # The ceiling of reading exactly the listed blocks' scattered pieces: Triton programs
+        # that only load them and sum (listed_reader.py), each checked once against torch; one
+        # block per program, then 2 or 4 in turn, as a split of the sparse kernel walks its
+        # share (2 tiles at B1 1/16, 4 at B8 1/16 with the default split count).
         from listed_reader import block_ids, read_listed_blocks, read_listed_blocks_reference
         ids = [block_ids(lists) for lists in list_sets]
-        torch.testing.assert_close(read_listed_blocks(k, v, ids[0], BLOCK).double(),
-                                   read_listed_blocks_reference(k, v, ids[0], BLOCK), rtol=1e-4, atol=1e-2)
-        add("read_listed_blocks", rotating([lambda i=i: read_listed_blocks(k, v, i, BLOCK) for i in ids]),
-            "Triton: the listed K/V blocks read, nothing else")
-        # The same with each program walking 2 or 4 blocks in turn, as a split of the sparse
-        # kernel walks its share (2 tiles at B1 1/16, 4 at B8 1/16 with the default split count).
-        for walk in (2, 4):
-            if ids[0].shape[-1] % walk == 0 and ids[0].shape[-1] > walk:
-                torch.testing.assert_close(read_listed_blocks(k, v, ids[0], BLOCK, walk).double(),
-                                           read_listed_blocks_reference(k, v, ids[0], BLOCK), rtol=1e-4, atol=1e-2)
-                add(f"read_listed_walk{walk}", rotating([lambda i=i, w=walk: read_listed_blocks(k, v, i, BLOCK, w) for i in ids]),
-                    f"Triton: a program reads {walk} listed blocks in turn, as a split does")
+        entries = ids[0].shape[-1]
+        reference = read_listed_blocks_reference(k, v, ids[0], BLOCK)
+        for walk, name, note in ((1, "read_listed_blocks", "Triton: the listed K/V blocks read, nothing else"),
+                                 (2, "read_listed_walk2", "Triton: a program reads 2 listed blocks in turn, as a split does"),
+                                 (4, "read_listed_walk4", "Triton: a program reads 4 listed blocks in turn, as a split does")):
+            if walk > 1 and (entries % walk or entries == walk):
+                continue
+            torch.testing.assert_close(read_listed_blocks(k, v, ids[0], BLOCK, walk).double(), reference, rtol=1e-4, atol=1e-2)
+            add(name, rotating([lambda i=i, w=walk: read_listed_blocks(k, v, i, BLOCK, w) for i in ids]), note)
     if "fa2_sparse" in methods:
         add("fa2_sparse", ours("fa2"))
     if "split_sweep" in methods and shape.seqlen_q <= 16:

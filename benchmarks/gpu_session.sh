@@ -66,23 +66,23 @@ export FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED=1 FLASH_ATTENTION_CUTE_DSL_CACHE_D
 
 step build
 start=$(date +%s)
-# A wheel carried back from an earlier call (.carry/wheel/dist-wheel.tar, as $OUT returns it) is
-# reused when its label (the hash of the patched tree and build profile) is this commit's.
-if [ -f .carry/wheel/dist-wheel.tar ]; then mkdir -p dist && tar xf .carry/wheel/dist-wheel.tar -C dist; fi
 # INSTALL_WHEEL=TAR skips the build and installs the wheel in TAR (a variant's, as the variants
-# step returns it), for benchmarks of a build whose tests already ran.
+# step returns it), for benchmarks of a build whose tests already ran. Otherwise a wheel carried
+# back from an earlier call (.carry/wheel/dist-wheel.tar, as $OUT returns it) is reused when its
+# label (the hash of the patched tree and build profile) is this commit's.
 if [ -n "${INSTALL_WHEEL:-}" ]; then
     mkdir -p /tmp/given-wheel && tar xf "$INSTALL_WHEEL" -C /tmp/given-wheel
     wheel=$(ls /tmp/given-wheel/flash_attn-*.whl | head -1)
     note "wheel given: $(basename "$wheel") (no build)"
 else
-PYTHONPATH=python python3 -m forktools upstream --offline > "$LOGS/upstream.log" 2>&1 || { note "upstream cache: FAILED"; cat "$LOGS/upstream.log"; exit 1; }
-PYTHONPATH=python python3 -m forktools build --profile dev --jobs "$(nproc)" --reuse 2>&1 | tee "$LOGS/build.log" | grep -v '^  \[' || true
-cp build/logs/build-dev.log "$LOGS/build-full.log" 2>/dev/null
-wheel=$(ls -t dist/flash_attn-*.whl 2>/dev/null | grep -v mutant | head -1)
+    if [ -f .carry/wheel/dist-wheel.tar ]; then mkdir -p dist && tar xf .carry/wheel/dist-wheel.tar -C dist; fi
+    PYTHONPATH=python python3 -m forktools upstream --offline > "$LOGS/upstream.log" 2>&1 || { note "upstream cache: FAILED"; cat "$LOGS/upstream.log"; exit 1; }
+    PYTHONPATH=python python3 -m forktools build --profile dev --jobs "$(nproc)" --reuse 2>&1 | tee "$LOGS/build.log" | grep -v '^  \[' || true
+    cp build/logs/build-dev.log "$LOGS/build-full.log" 2>/dev/null
+    wheel=$(ls -t dist/flash_attn-*.whl 2>/dev/null | grep -v mutant | head -1)
+    [ -n "$wheel" ] || { note "build: FAILED (see build-full.log)"; tail -50 build/logs/build-dev.log; exit 1; }
+    note "build: $(grep -o 'in [0-9]* s' "$LOGS/build.log" | tail -1) (wall $(( $(date +%s) - start )) s incl. re-lay), $(basename "$wheel"), $(du -m "$wheel" | cut -f1) MB"
 fi
-[ -n "$wheel" ] || { note "build: FAILED (see build-full.log)"; tail -50 build/logs/build-dev.log; exit 1; }
-note "build: $(grep -o 'in [0-9]* s' "$LOGS/build.log" | tail -1) (wall $(( $(date +%s) - start )) s incl. re-lay), $(basename "$wheel"), $(du -m "$wheel" | cut -f1) MB"
 rm -rf /tmp/site && python3 -m pip install -q --no-deps --no-index --target /tmp/site "$wheel" || { note "install: FAILED"; exit 1; }
 export PYTHONPATH=${CUTEDSL_PATH:+$CUTEDSL_PATH:}/tmp/site
 if [ -n "$CUTEDSL_PATH" ]; then  # flash-attn-4 with the stage-4 patches over upstream's

@@ -23,8 +23,8 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_sparse import (BLOCK, DECODE, ROTATIONS, make_lists, random_inputs, rotated_list_sets, rotating,  # noqa: E402
-                          speculative_calls, speculative_inputs, to_blocks)
+from bench_sparse import (BLOCK, DECODE, ROTATIONS, make_lists, random_inputs, rotated_list_sets,  # noqa: E402
+                          rotating_sparse_call, speculative_calls, speculative_inputs, to_blocks)
 from triton.testing import do_bench_cudagraph  # noqa: E402
 
 import flash_attn_sparse as fas  # noqa: E402
@@ -80,9 +80,8 @@ def profile_shape(shape):
     blocks = [to_blocks(lists, shape) for lists in list_sets]
     n_blocks = shape.seqlen_k // BLOCK
     methods = {
-        "fa2_sparse": rotating([lambda b=b: fas.flash_attn_with_sparse_block_table(q, k, v, b, backend="fa2") for b in blocks]),
-        "fa2_sparse splits=1": rotating([lambda b=b: fas.flash_attn_with_sparse_block_table(q, k, v, b, backend="fa2", num_splits=1)
-                                         for b in blocks]),
+        "fa2_sparse": rotating_sparse_call(q, k, v, blocks, backend="fa2"),
+        "fa2_sparse splits=1": rotating_sparse_call(q, k, v, blocks, backend="fa2", num_splits=1),
         **speculative_calls(shape, q, k, v, list_sets, backend="fa2"),
     }
     print(f"## {shape.name} at 1/16: graph ms and kernels of one call (plain launches, us)")
@@ -100,8 +99,7 @@ def profile_shape(shape):
         for n in LIST_LENGTHS:
             tables = [torch.tensor(sorted(random.Random(r).sample(range(n_blocks), n)), dtype=torch.int32, device="cuda")
                       for r in range(ROTATIONS)]
-            ms = timed(rotating([lambda t=t: fas.flash_attn_with_sparse_block_table(q, k, v, t, backend="fa2", num_splits=splits)
-                                 for t in tables]))
+            ms = timed(rotating_sparse_call(q, k, v, tables, backend="fa2", num_splits=splits))
             row.append(1e3 * ms)
         xs = [n * bytes_per_block for n in LIST_LENGTHS[3:]]  # fit on 4+ blocks: past the one-tile regime
         ys = row[3:]
@@ -116,9 +114,8 @@ def split_sweep(shape, max_splits: int = 32):
     """Graph us of the call at each split count; the heuristic's pick is num_splits=0."""
     q, k, v = random_inputs(shape)
     blocks = [to_blocks(lists, shape) for lists in rotated_list_sets(shape)]
-    call = lambda splits: rotating([lambda b=b: fas.flash_attn_with_sparse_block_table(q, k, v, b, backend="fa2", num_splits=splits)
-                                    for b in blocks])
-    times = {splits: 1e3 * timed(call(splits)) for splits in range(max_splits + 1)}
+    times = {splits: 1e3 * timed(rotating_sparse_call(q, k, v, blocks, backend="fa2", num_splits=splits))
+             for splits in range(max_splits + 1)}
     best = min(range(1, max_splits + 1), key=times.get)
     print(f"## {shape.name} at 1/{round(1 / shape.density)}: graph us per split count; auto {times[0]:.1f}, best {best} splits {times[best]:.1f}")
     print(" | ".join(f"{splits}: {us:.1f}" for splits, us in times.items() if splits), flush=True)
