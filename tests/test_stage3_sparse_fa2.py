@@ -12,7 +12,7 @@ import torch
 
 from flash_attn_sparse import SparseBlocks, flash_attn_with_sparse_block_table
 from flash_attn_sparse.reference import block_positions
-from helpers import assert_close_to_reference, poison_allocator, random_qkv
+from helpers import assert_close_to_reference, poison_allocator, random_qkv, sparse_kernel_launches
 
 pytestmark = [pytest.mark.stage3, pytest.mark.gpu]
 
@@ -128,3 +128,25 @@ def test_repeated_calls_are_deterministic():
     first = flash_attn_with_sparse_block_table(q, k, v, table, num_splits=4)
     second = flash_attn_with_sparse_block_table(q, k, v, table, num_splits=4)
     assert torch.equal(first[0], second[0]) and torch.equal(first[1], second[1])
+
+
+@pytest.mark.parametrize("num_splits", [2, 8, 9])
+@pytest.mark.parametrize("seqlen_q,heads,heads_k", [(1, 32, 8), (40, 8, 2)], ids=["keysplit_tile", "64row_tile"])
+def test_few_splits_merge_in_a_cluster(seqlen_q, heads, heads_k, num_splits):
+    """On sm_90+, two to eight splits of a 4-warp tile merge inside a thread-block cluster (no
+    partials, no combine kernel); nine go through the partials and the combine. Either way the
+    result matches the reference, with splits that get no tile among them (5 listed tiles)."""
+    seed = num_splits * 100 + seqlen_q
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    seqlen_k, block_size = 5000, 128
+    q, k, v = random_qkv(2, seqlen_q, seqlen_k, heads, heads_k, 128, torch.bfloat16, generator=g)
+    blocks = make_list("permuted_gapped", -(-seqlen_k // block_size), random.Random(seed))[:5]
+    table = torch.tensor(blocks, dtype=torch.int32, device="cuda")
+    call = lambda: flash_attn_with_sparse_block_table(q, k, v, table, block_size=block_size, num_splits=num_splits)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        call()
+        torch.cuda.synchronize()
+    combined = any("flash_sparse_combine_kernel" in e.name for e in prof.events())
+    assert len(sparse_kernel_launches(call)) == 1
+    assert combined == (torch.cuda.get_device_capability()[0] < 9 or num_splits > 8)
+    run_and_check(q, k, v, blocks, block_size, num_splits)

@@ -337,7 +337,10 @@ std::vector<at::Tensor> mha_fwd_sparse(
         TORCH_CHECK(partial_offset >= 0 && partial_offset + num_splits <= num_slots, "partial slots [offset, offset + num_splits) must fit in out_partial");
         params.sparse_split_offset = partial_offset;
         params.sparse_num_slots = num_slots;
-    } else if (num_splits > 1) {
+    }
+    // Few splits on sm_90+ merge inside a thread-block cluster: no partials, no combine.
+    const bool cluster_merge = !partial && sparse_cluster_merge(params);
+    if (!partial && num_splits > 1 && !cluster_merge) {
         out_accum = torch::empty({num_splits, batch_size, num_heads, seqlen_q, d_rounded}, opts.dtype(at::kFloat));
         lse_accum = torch::empty({num_splits, batch_size, num_heads, seqlen_q}, opts.dtype(at::kFloat));
         params.sparse_num_slots = num_splits;
@@ -349,12 +352,12 @@ std::vector<at::Tensor> mha_fwd_sparse(
 
     if (q.numel() == 0) { return partial ? std::vector<at::Tensor>{out_accum, lse_accum} : std::vector<at::Tensor>{out, softmax_lse}; }
     auto stream = at::cuda::getCurrentCUDAStream().stream();
-    const bool split = out_accum.defined();
+    const bool split = out_accum.defined() || cluster_merge;
     // 128-row tiles suit long queries; 64-row tiles waste less on short ones, and split.
     const bool wide = !split && !pack_gqa && seqlen_q > kSparseNarrowBlockM && q_block_size % kSparseWideBlockM == 0;
     run_sparse(params, stream, wide, split);
     if (partial) { return {out_accum, lse_accum}; }
-    if (split) { run_combine(params, stream); }
+    if (out_accum.defined()) { run_combine(params, stream); }
     return {out, softmax_lse};
 }
 

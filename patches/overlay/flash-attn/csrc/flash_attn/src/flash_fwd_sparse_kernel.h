@@ -27,6 +27,7 @@
 
 #include "namespace_config.h"
 
+#include <cooperative_groups.h>
 #include <cute/tensor.hpp>
 
 #include <cutlass/cutlass.h>
@@ -432,9 +433,69 @@ __forceinline__ __device__ void write_empty_sparse_tile(const Output &output) {
 
 ////////////////////////////////////////////////////////////////////////////////////////////////////
 
+// The merge of a tile's splits inside their thread-block cluster (sm_90+): CTA `rank` of
+// `num_ranks` holds its normalised O in fp32 (s_o, laid out as SmemLayoutO) and its LSE per row
+// (s_lse, -inf where it saw no key) in its shared memory. Rank r merges rows r, r + num_ranks, ...
+// one warp per row, reading every rank's O and LSE through distributed shared memory, and writes
+// O and LSE, as the combine kernel would from global partials (the same merge, splits in order,
+// a row no split saw: O = 0, LSE = -inf). Two cluster barriers: the first makes every rank's
+// O and LSE visible, the second keeps each rank's shared memory alive until all have read it.
+template<typename Kernel_traits, bool Is_even_K, typename Output>
+__forceinline__ __device__ void merge_splits_in_cluster(const Output &output, const float *s_o, const float *s_lse,
+                                                        const int rank, const int num_ranks) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    using Element = typename Output::ElementO;
+    constexpr int kBlockM = Kernel_traits::kBlockM;
+    constexpr int kHeadDim = Kernel_traits::kHeadDim;
+    constexpr int kWarps = Kernel_traits::kNWarps;
+    constexpr int kColsPerLane = kHeadDim / 32;
+    static_assert(kHeadDim % 32 == 0);
+    const typename Kernel_traits::SmemLayoutO layout_o;
+    cooperative_groups::cluster_group cluster = cooperative_groups::this_cluster();
+    const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+    cluster.sync();
+    for (int row = rank + warp * num_ranks; row < kBlockM; row += kWarps * num_ranks) {
+        // Lane s reads split s's LSE (num_ranks <= 32).
+        const float lse_split = lane < num_ranks ? *cluster.map_shared_rank(s_lse + row, lane) : -INFINITY;
+        float lse_max = lse_split;
+        #pragma unroll
+        for (int offset = 16; offset > 0; offset /= 2) { lse_max = fmaxf(lse_max, __shfl_xor_sync(0xffffffff, lse_max, offset)); }
+        const float max_shift = lse_max == -INFINITY ? 0.f : lse_max;
+        float sum = lse_split == -INFINITY ? 0.f : expf(lse_split - max_shift);
+        #pragma unroll
+        for (int offset = 16; offset > 0; offset /= 2) { sum += __shfl_xor_sync(0xffffffff, sum, offset); }
+        const float lse = sum == 0.f || sum != sum ? -INFINITY : logf(sum) + max_shift;
+        const float scale = lse == -INFINITY || lse_split == -INFINITY ? 0.f : expf(lse_split - lse);
+        float acc[kColsPerLane];
+        #pragma unroll
+        for (int j = 0; j < kColsPerLane; ++j) { acc[j] = 0.f; }
+        for (int split = 0; split < num_ranks; ++split) {
+            const float split_scale = __shfl_sync(0xffffffff, scale, split);
+            if (split_scale == 0.f) { continue; }  // a split that saw nothing (its O holds no keys)
+            const float *o_split = cluster.map_shared_rank(s_o, split);
+            #pragma unroll
+            for (int j = 0; j < kColsPerLane; ++j) { acc[j] = fmaf(split_scale, o_split[layout_o(row, lane + 32 * j)], acc[j]); }
+        }
+        const int64_t o_offset = output.o_offset(row);  // -1 past the sequence
+        if (o_offset >= 0) {
+            Element *o = output.o_ptr() + o_offset;
+            #pragma unroll
+            for (int j = 0; j < kColsPerLane; ++j) {
+                const int col = lane + 32 * j;
+                if (Is_even_K || col < output.params.d) { o[col] = Element(acc[j]); }
+            }
+        }
+        if (lane == 0) { output.write_lse(row, lse); }
+    }
+    cluster.sync();
+#endif
+}
+
 // Paged: K/V are paged caches (params.block_table); a template flag so that the contiguous
-// kernels keep their registers.
-template<typename Kernel_traits, bool Is_even_K, bool Split, bool Paged, typename Params>
+// kernels keep their registers. ClusterMerge (with Split): the CTAs of a tile's splits are one
+// thread-block cluster and merge their (O, LSE) in shared memory at the end
+// (merge_splits_in_cluster), so no fp32 partials reach global memory and no combine runs.
+template<typename Kernel_traits, bool Is_even_K, bool Split, bool Paged, bool ClusterMerge, typename Params>
 inline __device__ void compute_attn_1rowblock_sparse(const Params &params, const int bidb, const int bidh, const int m_block,
                                                      const int n_split_idx, const int num_n_splits) {
     using Element = typename Kernel_traits::Element;
@@ -459,6 +520,10 @@ inline __device__ void compute_attn_1rowblock_sparse(const Params &params, const
     const int mma_tidx = kKeySplit ? tidx % 32 : tidx;
     const int warp_first_col = kKeySplit ? warp * kMmaKeys : 0;
 
+    static_assert(!ClusterMerge || Split);
+    // What leaves the CTA: fp32 partials (Split), or O and LSE (no split, or a cluster's merge).
+    // Both split forms stage the CTA's O in fp32 shared memory.
+    constexpr bool kPartialsOut = Split && !ClusterMerge;
     using GmemTiledCopyO = std::conditional_t<!Split, typename Kernel_traits::GmemTiledCopyO, typename Kernel_traits::GmemTiledCopyOaccum>;
     using ElementO = std::conditional_t<!Split, Element, ElementAccum>;
 
@@ -467,7 +532,7 @@ inline __device__ void compute_attn_1rowblock_sparse(const Params &params, const
     const int group = params.sparse_pack_gqa;
     const SparseTileRows rows{m_block * kBlockM, binfo.actual_seqlen_q * group, group, bidh * group};
     if (rows.first_row >= rows.num_rows) return;
-    const SparseOutput<Kernel_traits, Split, Params> output(params, rows, binfo, bidb, params.sparse_split_offset + n_split_idx);
+    const SparseOutput<Kernel_traits, kPartialsOut, Params> output(params, rows, binfo, bidb, params.sparse_split_offset + n_split_idx);
 
     // seqused_k beyond the rows K/V hold (batch, varlen or paged extent) is clamped, so it cannot
     // lead the kernel past them.
@@ -477,9 +542,14 @@ inline __device__ void compute_attn_1rowblock_sparse(const Params &params, const
     const int tiles_per_split = cute::ceil_div(n_tiles, num_n_splits);
     const int tile_min = n_split_idx * tiles_per_split;
     const int tile_max = std::min(n_tiles, tile_min + tiles_per_split);
-    if (tile_min >= tile_max) {
-        write_empty_sparse_tile<Kernel_traits, Is_even_K, Split>(output);
-        return;
+    // A split with no tiles writes an empty partial; in a cluster it still takes part in the
+    // merge (its LSE is -inf), since its siblings wait for it there.
+    const bool has_tiles = tile_min < tile_max;
+    if (!has_tiles) {
+        if constexpr (!ClusterMerge) {
+            write_empty_sparse_tile<Kernel_traits, Is_even_K, Split>(output);
+            return;
+        }
     }
 
     const int bidh_k = rows.first_head / params.h_h_k_ratio;
@@ -622,11 +692,15 @@ inline __device__ void compute_attn_1rowblock_sparse(const Params &params, const
     Tensor tKgK = gmem_thr_copy_QKV.partition_S(make_tensor(gK0.data(), Shape<Int<kBlockN>, Int<kHeadDim>>{}, make_stride(params.k_row_stride, _1{})));
     Tensor tVgV = gmem_thr_copy_QKV.partition_S(make_tensor(gV0.data(), Shape<Int<kBlockN>, Int<kHeadDim>>{}, make_stride(params.v_row_stride, _1{})));
 
-    // Prologue: Q, and K of the last tile of this split (tiles are visited in reverse).
-    copy_rows<Is_even_K, /*Clear_invalid_rows=*/false>(gmem_tiled_copy_QKV, tQgQ0, tQsQ, tQpQ, [&](int m) {
-        const int r = get<0>(tQcQ(0, m, 0));
-        return rows.valid(r) ? int64_t(rows.position(r)) * params.q_row_stride + int64_t(rows.head(r)) * params.q_head_stride : int64_t(-1);
-    });
+    // Prologue: Q, and K of the last tile of this split (tiles are visited in reverse). Nothing
+    // without tiles (only a cluster's empty split gets here): no copy may land in shared memory
+    // that the merge then uses.
+    if (has_tiles) {
+        copy_rows<Is_even_K, /*Clear_invalid_rows=*/false>(gmem_tiled_copy_QKV, tQgQ0, tQsQ, tQpQ, [&](int m) {
+            const int r = get<0>(tQcQ(0, m, 0));
+            return rows.valid(r) ? int64_t(rows.position(r)) * params.q_row_stride + int64_t(rows.head(r)) * params.q_head_stride : int64_t(-1);
+        });
+    }
     // A whole tile of a mask block needs the causal mask only if one of its keys lies after the
     // diagonal of the tile's first (lowest-position) row; the other mask-block tiles are fully
     // visible and take the unmasked path, as upstream masks only its diagonal tiles. (The
@@ -644,16 +718,18 @@ inline __device__ void compute_attn_1rowblock_sparse(const Params &params, const
     int positions[kRowsPerThread];
     int start = -1;
     int diagonal_first_key = -1;  // of the current tile, when whole (start >= 0)
-    if (whole_tiles) {
-        const int blk = tile_block(tile);
-        start = tile_keys(tile, blk, positions);
-        diagonal_first_key = diagonal_tile_first_key(tile, blk);
-    } else {
-        tile_positions(tile, positions);
+    if (has_tiles) {
+        if (whole_tiles) {
+            const int blk = tile_block(tile);
+            start = tile_keys(tile, blk, positions);
+            diagonal_first_key = diagonal_tile_first_key(tile, blk);
+        } else {
+            tile_positions(tile, positions);
+        }
+        // Invalid K rows need no clearing: their scores are masked to -inf.
+        copy_keys<Is_even_K, /*Clear_invalid_rows=*/false>(gmem_tiled_copy_QKV, tKgK, tKgK0, tKsK, tKVpKV, start, positions, params.k_row_stride, k_shift(tile));
+        cute::cp_async_fence();
     }
-    // Invalid K rows need no clearing: their scores are masked to -inf.
-    copy_keys<Is_even_K, /*Clear_invalid_rows=*/false>(gmem_tiled_copy_QKV, tKgK, tKgK0, tKsK, tKVpKV, start, positions, params.k_row_stride, k_shift(tile));
-    cute::cp_async_fence();
     // The 4-warp kernels issue V of a tile as soon as sV is free (here, and after the previous
     // tile's PV), so it loads beside that tile's K: groups in flight at the top of an iteration
     // are [K(t)] [V(t)]. Run 35 (H200): one split walking many tiles 5-10% faster, default
@@ -661,13 +737,17 @@ inline __device__ void compute_attn_1rowblock_sparse(const Params &params, const
     // is in): issuing early made it 2-4% slower (runs 24, 35). Invalid V rows are cleared: P is 0
     // there, but 0 * garbage need not be.
     constexpr bool kIssueVEarly = kNWarps > 1;
-    if constexpr (kIssueVEarly) {
+    if (kIssueVEarly && has_tiles) {
         copy_keys<Is_even_K, /*Clear_invalid_rows=*/true>(gmem_tiled_copy_QKV, tVgV, tVgV0, tVsV, tKVpKV, start, positions, params.v_row_stride, v_shift(tile));
         cute::cp_async_fence();
     }
 
     clear(acc_o);
     FLASH_NAMESPACE::Softmax<2 * size<1>(acc_o)> softmax;
+    if (!has_tiles) {  // no tile sets the running max and sum: the normalisation below gives O = 0, LSE = -inf
+        fill(softmax.row_max, -INFINITY);
+        fill(softmax.row_sum, 0.f);
+    }
     const int row_idx_offset = kKeySplit ? (tidx % 32) / 4 : (tidx / 32) * 16 + (tidx % 32) / 4;
     constexpr int kWarpRowStride = kKeySplit ? 16 : kNWarps * 16;
 
@@ -797,9 +877,22 @@ inline __device__ void compute_attn_1rowblock_sparse(const Params &params, const
     __syncthreads();
     if (!kKeySplit || warp == 0) { cute::copy(smem_tiled_copy_Oaccum, taccOrOaccum, taccOsOaccum); }
 
+    // The cluster's CTAs keep their LSE beside their O in shared memory.
+    float *cluster_lse = reinterpret_cast<float *>(smem_) + cosize(typename Kernel_traits::SmemLayoutO{});
     if ((!kKeySplit || warp == 0) && get<1>(taccOcO_row(0)) == 0) {
         #pragma unroll
-        for (int mi = 0; mi < size(lse); ++mi) { output.write_lse(get<0>(taccOcO_row(mi)), lse(mi)); }
+        for (int mi = 0; mi < size(lse); ++mi) {
+            if constexpr (ClusterMerge) {
+                cluster_lse[get<0>(taccOcO_row(mi))] = lse(mi);
+            } else {
+                output.write_lse(get<0>(taccOcO_row(mi)), lse(mi));
+            }
+        }
+    }
+    if constexpr (ClusterMerge) {
+        static_assert((cosize(typename Kernel_traits::SmemLayoutO{}) + kBlockM) * sizeof(float) <= Kernel_traits::kSmemSize);
+        merge_splits_in_cluster<Kernel_traits, Is_even_K>(output, reinterpret_cast<const float *>(smem_), cluster_lse, n_split_idx, num_n_splits);
+        return;
     }
 
     Tensor gO0 = make_tensor(make_gmem_ptr(output.o_ptr()), Shape<Int<kBlockM>, Int<kHeadDim>>{}, make_stride(_0{}, _1{}));

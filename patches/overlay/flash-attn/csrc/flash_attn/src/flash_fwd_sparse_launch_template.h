@@ -16,7 +16,7 @@
 
 namespace FLASH_NAMESPACE {
 
-template<typename Kernel_traits, bool Is_even_K, bool Split, bool Paged>
+template<typename Kernel_traits, bool Is_even_K, bool Split, bool Paged, bool ClusterMerge>
 __forceinline__ __device__ void run_sparse_tile(const Flash_fwd_params &params) {
     #if defined(ARCH_SUPPORTS_FLASH)
         #if __CUDA_ARCH__ >= 900
@@ -31,27 +31,29 @@ __forceinline__ __device__ void run_sparse_tile(const Flash_fwd_params &params) 
         const int bidh = Split ? blockIdx.z - bidb * tile_heads : blockIdx.z;
         const int n_split_idx = Split ? blockIdx.y : 0;
         const int num_n_splits = Split ? gridDim.y : 1;
-        FLASH_NAMESPACE::compute_attn_1rowblock_sparse<Kernel_traits, Is_even_K, Split, Paged>(params, bidb, bidh, m_block, n_split_idx, num_n_splits);
+        FLASH_NAMESPACE::compute_attn_1rowblock_sparse<Kernel_traits, Is_even_K, Split, Paged, ClusterMerge>(params, bidb, bidh, m_block, n_split_idx, num_n_splits);
     #else
         FLASH_UNSUPPORTED_ARCH
     #endif
 }
 
-template<typename Kernel_traits, bool Is_even_K, bool Split, bool Paged>
+template<typename Kernel_traits, bool Is_even_K, bool Split, bool Paged, bool ClusterMerge>
 __global__ void flash_fwd_sparse_kernel(KERNEL_PARAM_MODIFIER const Flash_fwd_params params) {
-    run_sparse_tile<Kernel_traits, Is_even_K, Split, Paged>(params);
+    run_sparse_tile<Kernel_traits, Is_even_K, Split, Paged, ClusterMerge>(params);
 }
 
 // The key-split tile's registers bounded for three CTAs per SM, as its 68 KB of shared memory
 // allows (165-168 registers, <= 16 B of spills at d128; unbounded it took 211-226, two per SM).
-template<typename Kernel_traits, bool Is_even_K, bool Split, bool Paged>
+template<typename Kernel_traits, bool Is_even_K, bool Split, bool Paged, bool ClusterMerge>
 __global__ void __launch_bounds__(Kernel_traits::kNThreads, 3) flash_fwd_sparse_kernel_keysplit(KERNEL_PARAM_MODIFIER const Flash_fwd_params params) {
-    run_sparse_tile<Kernel_traits, Is_even_K, Split, Paged>(params);
+    run_sparse_tile<Kernel_traits, Is_even_K, Split, Paged, ClusterMerge>(params);
 }
 
 // Split=false writes O and LSE; Split=true writes fp32 partials to slots
-// [sparse_split_offset, sparse_split_offset + num_splits) of oaccum / lseaccum.
-template<typename Kernel_traits, bool Split>
+// [sparse_split_offset, sparse_split_offset + num_splits) of oaccum / lseaccum, or, with
+// ClusterMerge, launches each tile's splits as one thread-block cluster that merges them and
+// writes O and LSE (sparse_cluster_merge decides; then there are no partials).
+template<typename Kernel_traits, bool Split, bool ClusterMerge = false>
 void run_flash_sparse_fwd(Flash_fwd_params &params, cudaStream_t stream) {
     constexpr size_t smem_size = Kernel_traits::kSmemSize;
     const int tile_heads = params.h / params.sparse_pack_gqa;
@@ -63,15 +65,31 @@ void run_flash_sparse_fwd(Flash_fwd_params &params, cudaStream_t stream) {
         BOOL_SWITCH(params.block_table != nullptr, PagedConst, [&] {
             auto kernel = [] {
                 if constexpr (is_sparse_keysplit<Kernel_traits>::value) {
-                    return &flash_fwd_sparse_kernel_keysplit<Kernel_traits, IsEvenKConst, Split, PagedConst>;
+                    return &flash_fwd_sparse_kernel_keysplit<Kernel_traits, IsEvenKConst, Split, PagedConst, ClusterMerge>;
                 } else {
-                    return &flash_fwd_sparse_kernel<Kernel_traits, IsEvenKConst, Split, PagedConst>;
+                    return &flash_fwd_sparse_kernel<Kernel_traits, IsEvenKConst, Split, PagedConst, ClusterMerge>;
                 }
             }();
             if (smem_size >= 48 * 1024) {
                 C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem_size));
             }
-            kernel<<<grid, Kernel_traits::kNThreads, smem_size, stream>>>(params);
+            if constexpr (ClusterMerge) {
+                cudaLaunchAttribute cluster[1];
+                cluster[0].id = cudaLaunchAttributeClusterDimension;
+                cluster[0].val.clusterDim.x = 1;
+                cluster[0].val.clusterDim.y = num_splits;  // the splits of one tile
+                cluster[0].val.clusterDim.z = 1;
+                cudaLaunchConfig_t config = {};
+                config.gridDim = grid;
+                config.blockDim = dim3(Kernel_traits::kNThreads);
+                config.dynamicSmemBytes = smem_size;
+                config.stream = stream;
+                config.attrs = cluster;
+                config.numAttrs = 1;
+                C10_CUDA_CHECK(cudaLaunchKernelEx(&config, kernel, params));
+            } else {
+                kernel<<<grid, Kernel_traits::kNThreads, smem_size, stream>>>(params);
+            }
             C10_CUDA_KERNEL_LAUNCH_CHECK();
         });
     });
@@ -116,9 +134,17 @@ struct Sparse_keysplit_kernel_traits
 template<int Headdim, typename T>
 using Sparse_narrow_kernel_traits = Flash_fwd_kernel_traits<Headdim, kSparseNarrowBlockM, sparse_max_tile_keys(Headdim), 4, false, false, T>;
 
+// Splits without partial buffers (params.oaccum_ptr unset) are merged in a cluster: the host
+// leaves them unset exactly where sparse_cluster_merge holds, which only the 4-warp tiles take.
 template<typename Traits>
 void run_flash_sparse_fwd_split_or_not(Flash_fwd_params &params, cudaStream_t stream, bool split) {
-    if (split) {
+    if (split && params.oaccum_ptr == nullptr) {
+        if constexpr (Traits::kNWarps > 1) {
+            run_flash_sparse_fwd<Traits, /*Split=*/true, /*ClusterMerge=*/true>(params, stream);
+        } else {
+            TORCH_CHECK(false, "internal: a split call of the one-warp decode tile needs partial buffers");
+        }
+    } else if (split) {
         run_flash_sparse_fwd<Traits, /*Split=*/true>(params, stream);
     } else {
         run_flash_sparse_fwd<Traits, /*Split=*/false>(params, stream);

@@ -50,6 +50,19 @@ inline bool sparse_decode_tile(const Flash_fwd_params &params) {
     return list_keys >= kSparseDecodeMinListKeys && ctas * list_keys >= kSparseDecodeMinTotalKeys;
 }
 
+// Splits of one tile merged in a thread-block cluster through distributed shared memory (sm_90+)
+// instead of fp32 partials in global memory and the combine kernel: at most 8 splits (the
+// portable cluster size), the 4-warp tiles (the one-warp decode tile, for long lists, keeps the
+// partials). The host and the launcher both ask this.
+constexpr int kSparseClusterMergeMaxSplits = 8;
+inline bool sparse_cluster_merge(const Flash_fwd_params &params) {
+    if (params.num_splits < 2 || params.num_splits > kSparseClusterMergeMaxSplits || sparse_decode_tile(params)) { return false; }
+    int device = 0, major = 0;
+    cudaGetDevice(&device);
+    cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device);
+    return major >= 9;
+}
+
 template<typename T, int Headdim> void run_mha_fwd_sparse_(Flash_fwd_params &params, cudaStream_t stream);
 template<typename T, int Headdim> void run_mha_fwd_sparse_narrow_(Flash_fwd_params &params, cudaStream_t stream, bool split);
 template<typename T, int Headdim> void run_mha_combine_(Flash_fwd_params &params, cudaStream_t stream);
