@@ -532,7 +532,9 @@ inline __device__ void compute_attn_1rowblock_sparse(const Params &params, const
     const int group = params.sparse_pack_gqa;
     const SparseTileRows rows{m_block * kBlockM, binfo.actual_seqlen_q * group, group, bidh * group};
     if (rows.first_row >= rows.num_rows) return;
-    const SparseOutput<Kernel_traits, kPartialsOut, Params> output(params, rows, binfo, bidb, params.sparse_split_offset + n_split_idx);
+    // A cluster writes O and LSE once, at their places (slot 0), whichever rank merges a row.
+    const SparseOutput<Kernel_traits, kPartialsOut, Params> output(params, rows, binfo, bidb,
+                                                                   kPartialsOut ? params.sparse_split_offset + n_split_idx : 0);
 
     // seqused_k beyond the rows K/V hold (batch, varlen or paged extent) is clamped, so it cannot
     // lead the kernel past them.
