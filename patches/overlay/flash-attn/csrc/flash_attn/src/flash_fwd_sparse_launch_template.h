@@ -135,14 +135,14 @@ template<int Headdim, typename T>
 using Sparse_narrow_kernel_traits = Flash_fwd_kernel_traits<Headdim, kSparseNarrowBlockM, sparse_max_tile_keys(Headdim), 4, false, false, T>;
 
 // Splits without partial buffers (params.oaccum_ptr unset) are merged in a cluster: the host
-// leaves them unset exactly where sparse_cluster_merge holds, which only the 4-warp tiles take.
+// leaves them unset exactly where sparse_cluster_merge holds, which only the key-split tile takes.
 template<typename Traits>
 void run_flash_sparse_fwd_split_or_not(Flash_fwd_params &params, cudaStream_t stream, bool split) {
     if (split && params.oaccum_ptr == nullptr) {
-        if constexpr (Traits::kNWarps > 1) {
+        if constexpr (is_sparse_keysplit<Traits>::value) {
             run_flash_sparse_fwd<Traits, /*Split=*/true, /*ClusterMerge=*/true>(params, stream);
         } else {
-            TORCH_CHECK(false, "internal: a split call of the one-warp decode tile needs partial buffers");
+            TORCH_CHECK(false, "internal: split calls of this tile need partial buffers");
         }
     } else if (split) {
         run_flash_sparse_fwd<Traits, /*Split=*/true>(params, stream);

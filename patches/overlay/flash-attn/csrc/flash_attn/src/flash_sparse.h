@@ -51,12 +51,15 @@ inline bool sparse_decode_tile(const Flash_fwd_params &params) {
 }
 
 // Splits of one tile merged in a thread-block cluster through distributed shared memory (sm_90+)
-// instead of fp32 partials in global memory and the combine kernel: at most 8 splits (the
-// portable cluster size), the 4-warp tiles (the one-warp decode tile, for long lists, keeps the
-// partials). The host and the launcher both ask this.
-constexpr int kSparseClusterMergeMaxSplits = 8;
+// instead of fp32 partials in global memory and the combine kernel: the key-split tile (packed
+// rows <= 16, head dim <= 128, not the one-warp decode tile) at 2-4 splits, where run 45 measured
+// it 0.5-1.2 us faster; the 64-row tile was 1.5x slower in clusters and 8 splits 3-6 us slower.
+// The host and the launcher both ask this.
+constexpr int kSparseClusterMergeMaxSplits = 4;
 inline bool sparse_cluster_merge(const Flash_fwd_params &params) {
-    if (params.num_splits < 2 || params.num_splits > kSparseClusterMergeMaxSplits || sparse_decode_tile(params)) { return false; }
+    const bool keysplit_tile = params.seqlen_q * params.sparse_pack_gqa <= kSparseDecodeBlockM && params.d <= 128
+        && !sparse_decode_tile(params);
+    if (!keysplit_tile || params.num_splits < 2 || params.num_splits > kSparseClusterMergeMaxSplits) { return false; }
     int device = 0, major = 0;
     cudaGetDevice(&device);
     cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device);
