@@ -131,17 +131,20 @@ def test_repeated_calls_are_deterministic():
 
 
 @pytest.mark.parametrize("num_splits", [2, 4, 5])
+@pytest.mark.parametrize("listed", [5, 20])
 @pytest.mark.parametrize("seqlen_q,heads,heads_k", [(1, 32, 8), (40, 8, 2)], ids=["keysplit_tile", "64row_tile"])
-def test_few_splits_merge_in_a_cluster(seqlen_q, heads, heads_k, num_splits):
-    """On sm_90+, two to four splits of the key-split tile merge inside a thread-block cluster
-    (no partials, no combine kernel); five splits, or the 64-row tile, go through the partials and
-    the combine. Either way the result matches the reference, with splits that get no tile among
-    them (5 listed tiles: at 4 splits of 2 tiles each, the last split has none)."""
-    seed = num_splits * 100 + seqlen_q
+def test_few_short_splits_merge_in_a_cluster(seqlen_q, heads, heads_k, listed, num_splits):
+    """On sm_90+, two to four splits of the key-split tile, each walking at most 8 tiles of 128
+    keys, merge inside a thread-block cluster (no partials, no combine kernel); five splits,
+    longer walks, or the 64-row tile go through the partials and the combine. Either way the
+    result matches the reference, with splits that get no tile among them (5 listed tiles: at 4
+    splits of 2 tiles each, the last split has none)."""
+    seed = num_splits * 100 + seqlen_q + listed
     g = torch.Generator(device="cuda").manual_seed(seed)
     seqlen_k, block_size = 5000, 128
     q, k, v = random_qkv(2, seqlen_q, seqlen_k, heads, heads_k, 128, torch.bfloat16, generator=g)
-    blocks = make_list("permuted_gapped", -(-seqlen_k // block_size), random.Random(seed))[:5]
+    blocks = make_list("permuted_gapped", -(-seqlen_k // block_size), random.Random(seed))[:listed]
+    assert len(blocks) == listed
     table = torch.tensor(blocks, dtype=torch.int32, device="cuda")
     call = lambda: flash_attn_with_sparse_block_table(q, k, v, table, block_size=block_size, num_splits=num_splits)
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
@@ -150,5 +153,7 @@ def test_few_splits_merge_in_a_cluster(seqlen_q, heads, heads_k, num_splits):
     combined = any("flash_sparse_combine_kernel" in e.name for e in prof.events())
     assert len(sparse_kernel_launches(call)) == 1
     keysplit_tile = seqlen_q * (heads // heads_k) <= 16
-    assert combined == (torch.cuda.get_device_capability()[0] < 9 or num_splits > 4 or not keysplit_tile)
+    short_walks = len(blocks) <= 8 * num_splits
+    in_cluster = torch.cuda.get_device_capability()[0] >= 9 and num_splits <= 4 and keysplit_tile and short_walks
+    assert combined != in_cluster
     run_and_check(q, k, v, blocks, block_size, num_splits)

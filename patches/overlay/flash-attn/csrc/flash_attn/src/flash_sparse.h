@@ -29,10 +29,8 @@ constexpr long kSparseDecodeMinTotalKeys = 1L << 20;
 // call of this head dim can take: the 128-row and 16-row kernels' are no larger.
 constexpr int sparse_max_tile_keys(const int head_size) { return head_size <= 64 ? 256 : (head_size <= 128 ? 128 : 64); }
 
-// The longest list is bounded from shapes, as flash_attn_sparse.metadata.max_list_length does;
-// flash_attn_sparse.interface._decode_tile makes the same choice when it picks the split count.
-inline bool sparse_decode_tile(const Flash_fwd_params &params) {
-    if (params.seqlen_q * params.sparse_pack_gqa > kSparseDecodeBlockM) { return false; }
+// Keys of the longest list, bounded from shapes, as flash_attn_sparse.metadata.max_list_length does.
+inline long sparse_max_list_keys(const Flash_fwd_params &params) {
     const auto blocks_of = [&](const long keys) { return (keys + params.sparse_block_size - 1) / params.sparse_block_size; };
     const long n_blocks = blocks_of(params.seqlen_k);
     const long mask_capacity = params.sparse_mask_idx != nullptr ? params.sparse_mask_idx_capacity : 0;
@@ -45,21 +43,32 @@ inline bool sparse_decode_tile(const Flash_fwd_params &params) {
             listed = std::min<long>(params.sparse_idx_capacity + mask_capacity, n_blocks);
         }
     }
-    const long list_keys = listed * params.sparse_block_size;
+    return listed * params.sparse_block_size;
+}
+
+// flash_attn_sparse.interface._decode_tile makes the same choice when it picks the split count.
+inline bool sparse_decode_tile(const Flash_fwd_params &params) {
+    if (params.seqlen_q * params.sparse_pack_gqa > kSparseDecodeBlockM) { return false; }
+    const long list_keys = sparse_max_list_keys(params);
     const long ctas = long(params.b) * (params.h / params.sparse_pack_gqa);
     return list_keys >= kSparseDecodeMinListKeys && ctas * list_keys >= kSparseDecodeMinTotalKeys;
 }
 
 // Splits of one tile merged in a thread-block cluster through distributed shared memory (sm_90+)
 // instead of fp32 partials in global memory and the combine kernel: the key-split tile (packed
-// rows <= 16, head dim <= 128, not the one-warp decode tile) at 2-4 splits, where run 45 measured
-// it 0.5-1.2 us faster; the 64-row tile was 1.5x slower in clusters and 8 splits 3-6 us slower.
+// rows <= 16, head dim <= 128, not the one-warp decode tile) at 2-4 splits of at most 8 tiles each.
+// Run 47 (H200, d128, 4 packed rows, graph us): 0.5-1.3 us faster there (B8 Sq1 Sk32k 1/16, 4 splits:
+// 25.9 -> 24.4); 4-split clusters walking 16-32 tiles each were 1-2.8 us slower at B8 (64 tiles),
+// and run 45 had the 64-row tile 1.5x slower in clusters and 8 splits 3-6 us slower.
 // The host and the launcher both ask this.
 constexpr int kSparseClusterMergeMaxSplits = 4;
+constexpr int kSparseClusterMergeMaxTilesPerSplit = 8;
 inline bool sparse_cluster_merge(const Flash_fwd_params &params) {
     const bool keysplit_tile = params.seqlen_q * params.sparse_pack_gqa <= kSparseDecodeBlockM && params.d <= 128
         && !sparse_decode_tile(params);
     if (!keysplit_tile || params.num_splits < 2 || params.num_splits > kSparseClusterMergeMaxSplits) { return false; }
+    const long max_split_keys = long(kSparseClusterMergeMaxTilesPerSplit) * sparse_max_tile_keys(params.d) * params.num_splits;
+    if (sparse_max_list_keys(params) > max_split_keys) { return false; }
     int device = 0, major = 0;
     cudaGetDevice(&device);
     cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device);
