@@ -76,11 +76,12 @@ def cases():
         fas.flash_attn_with_sparse_block_table(q1, k1, v1, every, num_splits=num_splits)
     print("decode tile: ok", flush=True)
     # Decode over short lists: the 16-row tile whose four warps split the keys and merge in shared
-    # memory (permuted, with the partial tail block 257), split and not; then the one-launch
+    # memory (permuted, with the partial tail block 257), split and not; 3 and 4 splits merge in a
+    # thread-block cluster on sm_90 (at 4, one split has no tile); then the one-launch
     # speculative call at one query row, whose causal mask blocks also run in that tile.
     short = torch.tensor([257, 3, 100, 256, 40], dtype=torch.int32, device="cuda")
     k_spec1, v_spec1 = randn(4, 300, 8, dim), randn(4, 300, 8, dim)
-    for num_splits in (0, 1, 3):
+    for num_splits in (0, 1, 3, 4):
         fas.flash_attn_with_sparse_block_table(q1, k1, v1, short, num_splits=num_splits)
         fas.flash_attn_speculative_sparse(q1, k_spec1, v_spec1, k1, v1, short[1:], block_size=128, num_splits=num_splits)
     print("key-split tile: ok", flush=True)
