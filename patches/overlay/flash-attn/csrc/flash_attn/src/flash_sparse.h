@@ -57,10 +57,11 @@ inline bool sparse_decode_tile(const Flash_fwd_params &params) {
 // Splits of one tile merged in a thread-block cluster through distributed shared memory (sm_90+)
 // instead of fp32 partials in global memory and the combine kernel: the key-split tile (packed
 // rows <= 16, head dim <= 128, not the one-warp decode tile) at 2-4 splits of at most 8 tiles each.
-// Run 47 (H200, d128, 4 packed rows, graph us): 0.5-1.3 us faster there (B8 Sq1 Sk32k 1/16, 4 splits:
-// 25.9 -> 24.4); 4-split clusters walking 16-32 tiles each were 1-2.8 us slower at B8 (64 tiles),
+// Run 47 (H200, d128, 4 packed rows, graph us): 0.6-1.5 us faster there (B8 Sq1 Sk32k 1/16, 4 splits:
+// 25.9 -> 24.4); 4-split clusters walking 16-32 tiles each were 1.3-2.8 us slower at B8 (64 tiles),
 // and run 45 had the 64-row tile 1.5x slower in clusters and 8 splits 3-6 us slower.
-// The host and the launcher both ask this.
+// The host asks this and then allocates no partials; the launcher takes a split call without
+// partial buffers as a cluster call.
 constexpr int kSparseClusterMergeMaxSplits = 4;
 constexpr int kSparseClusterMergeMaxTilesPerSplit = 8;
 inline bool sparse_cluster_merge(const Flash_fwd_params &params) {
