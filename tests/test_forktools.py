@@ -236,8 +236,7 @@ def test_real_flash_attn_sdist_unpacks_and_its_version_is_checked(tmp_path: Path
 def test_mutations_apply_to_the_patched_tree(mutation: Path, tmp_path: Path):
     """A mutation whose context drifted from the kernel would fail the GPU session's mutant build;
     here it fails on CPU first."""
-    real = Layout.at(REPO)
-    layout = Layout(root=real.root, lock=real.lock, cache=REAL_SDIST.parent, trees=tmp_path / "trees", patches=real.patches)
+    layout = Layout.at(REPO).with_trees(tmp_path / "trees")  # its cache holds REAL_SDIST
     tree = tmp_path / "flash-attn"
     series.materialize(layout, "flash-attn", tree)
     patchfile.apply_diff(patchfile.split_description(mutation.read_bytes()), tree, str(mutation))

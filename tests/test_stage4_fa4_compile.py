@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "python"))
+sys.path.append(str(REPO / "python"))  # for forktools; appended, so an installed flash_attn_sparse still wins
 
 from forktools import series  # noqa: E402
 from forktools.layout import Layout  # noqa: E402
@@ -43,8 +43,7 @@ CROSS_COMPILE_ENV = {"FLASH_ATTENTION_ARCH": "sm_90", "CUTE_DSL_ARCH": "sm_90a",
 def patched_fa4(tmp_path_factory) -> Path:
     """A directory holding flash_attn/cute = the patched flash-attn-4 tree (as its wheel lays it out)."""
     root = tmp_path_factory.mktemp("fa4")
-    real = Layout.at(REPO)
-    layout = Layout(root=real.root, lock=real.lock, cache=FA4_SDIST.parent, trees=root / "trees", patches=real.patches)
+    layout = Layout.at(REPO).with_trees(root / "trees")  # its cache holds FA4_SDIST
     package = root / "pkg" / "flash_attn"
     package.mkdir(parents=True)
     (package / "__init__.py").write_text("")  # a regular package, so an installed flash_attn cannot shadow it
