@@ -254,17 +254,21 @@ def bench_shape(shape, roofline, rows, methods):
     fa4_missing = fas.fa4.missing_runtime()
     if "fa4_sparse" in methods and not fa4_missing:
         add("fa4_sparse", ours("fa4"), "API, backend=fa4")
+    if "split_sweep" in methods and shape.seqlen_q <= 16 and not fa4_missing:
+        for splits in (1, 2, 4, 8, 16):
+            add(f"fa4_sparse splits={splits}", ours("fa4", splits))
     if "auto" in methods and not fa4_missing:
         add("auto", ours("auto"), f"chose {fas.choose_backend(q, k, v, blocks[0])[0]}")
     if "fa4_direct" in methods and not fa4_missing:
-        # flash-attn-4's kernel called directly on lists already in its form: the floor of the
-        # fa4 backend, whose API call adds the list adapter (sort, range check, GQA expansion).
+        # flash-attn-4's kernel called directly on lists already in its form, at the API's split
+        # count: the floor of the fa4 backend, whose API call adds the list adapter (sort, range check).
         cute = fas.fa4.import_cute("interface")
-        tensors = [fas.fa4.block_sparse_tensors(b, batch=shape.batch, num_heads=shape.heads, max_seqlen_q=shape.seqlen_q,
+        tensors = [fas.fa4.block_sparse_tensors(b, batch=shape.batch, max_seqlen_q=shape.seqlen_q,
                                                 max_seqlen_k=shape.seqlen_k) for b in blocks]
+        splits = fas.choose_num_splits_for(q, k, v, blocks[0], backend="fa4")
         add("fa4_direct", rotating([lambda t=t: cute.flash_attn_func(q, k, v, causal=shape.causal, block_sparse_tensors=t,
-                                                                     return_lse=True) for t in tensors]),
-            "CuTe-DSL kernel, lists pre-adapted")
+                                                                     return_lse=True, num_splits=splits) for t in tensors]),
+            f"CuTe-DSL kernel, lists pre-adapted, {splits} splits")
     if "speculative" in methods and shape.density < 1:
         # The same union of blocks as a speculative set (the last 4 blocks, "mask" blocks) plus
         # the missed set, one pass (zero-copy form) and two passes + combine (gathered form).

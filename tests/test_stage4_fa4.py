@@ -3,7 +3,8 @@
 CPU: the list adapter (sorting, range checks, varlen re-lay) against a plain Python reference.
 GPU (SM90 with flash-attn-4 importable): the Hopper path against the fp32 reference and against
 the FA-2 path, batched and varlen, causal with mask blocks, per-head lists, fp16/bf16, head dims
-64/128; routing of backend="auto", the speculative zero-copy form on FA-4 at prefill.
+64/128, split-KV over the lists (packed query heads, empty splits); routing of backend="auto", the
+speculative zero-copy form on FA-4 at prefill.
 """
 
 import importlib.util
@@ -152,14 +153,63 @@ def test_batched_matches_reference_and_fa2(dtype, head_dim, causal, table_heads,
 
 @pytest.mark.gpu
 @pytest.mark.sm90
-@pytest.mark.parametrize("dtype,block_size,causal", [
-    (torch.bfloat16, 128, True),
-    (torch.float16, 64, False),   # tile_n 64: fails without patches/flash-attn-4/0001
-    (torch.bfloat16, 64, True),
-])
-def test_varlen_ragged_batch(dtype, block_size, causal):
+@pytest.mark.parametrize("seqlen_q,table_heads,causal,num_splits", [
+    (16, "kv", False, 2),     # decode: the query heads of a K/V head packed in one tile, lists split in two
+    (1, "kv", False, 5),      # more splits than the short lists hold: empty splits
+    (16, "shared", False, 3),
+    (16, "q", False, 4),      # per-query-head lists: no packing
+    (300, "kv", True, 3),     # causal: the mask and the full list of a tile each split
+    (16, "kv", False, 0),     # the heuristic's count
+], ids=["decode-kv-2", "sq1-kv-5-empty-splits", "decode-shared-3", "decode-q-4", "causal-kv-3", "decode-kv-auto"])
+def test_split_kv_over_lists(seqlen_q, table_heads, causal, num_splits):
+    """Split-KV on FA-4 (stage 4): each split walks an even share of a tile's lists and writes an
+    fp32 partial that the combine merges. Lists permuted and gapped, of every length from 0 to
+    all blocks, the sequence's tail block anywhere in them; one tile's lists empty."""
     _needs_fa4()
-    seed = block_size + causal
+    seed = seqlen_q * 10 + num_splits
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    rng = random.Random(seed)
+    batch, seqlen_k, heads, heads_k, block, q_block = 3, 3000, 8, 2, 128, 128
+    q, k, v = random_qkv(batch, seqlen_q, seqlen_k, heads, heads_k, 128, torch.bfloat16, generator=g)
+    n_table_heads = {"q": heads, "kv": heads_k, "shared": 1}[table_heads]
+    n_blocks = -(-seqlen_k // block)
+    if causal:
+        per_batch = [causal_lists(seqlen_q, seqlen_k, n_table_heads, block, q_block, 0.5, rng) for _ in range(batch)]
+    else:
+        lengths = [1, 7, n_blocks, 2, 13, 5, 24, 3]
+        per_batch = [([[rng.sample(range(n_blocks), lengths[(b + h) % len(lengths)])] for h in range(n_table_heads)],
+                      [[[]] for _ in range(n_table_heads)]) for b in range(batch)]
+    per_batch[0][0][0][0], per_batch[0][1][0][0] = [], []  # one empty tile: O = 0, LSE = -inf
+    blocks = SparseBlocks.from_lists([pb[0] for pb in per_batch], [pb[1] for pb in per_batch], block_size=block,
+                                     q_block_size=q_block, device="cuda")
+    if num_splits == 0:
+        assert fas.choose_num_splits_for(q, k, v, blocks, backend="fa4") > 1  # 12 tiles on a GPU of 100+ SMs
+    poison_allocator(((batch, seqlen_q, heads, 128), torch.bfloat16), ((batch, heads, seqlen_q), torch.float32))
+    out, lse = fas.flash_attn_with_sparse_block_table(q, k, v, blocks, causal=causal, backend="fa4",
+                                                      num_splits=num_splits, validate="full")
+    for b in range(batch):
+        visible = visibility_from_lists(per_batch[b][0], per_batch[b][1], block, q_block, seqlen_q, seqlen_k,
+                                        heads, causal=causal, device="cuda")
+        assert_close_to_reference(out[b:b + 1], lse[b:b + 1], q[b:b + 1], k[b:b + 1], v[b:b + 1], visible)
+    empty_heads = slice(0, heads // n_table_heads)
+    assert (out[0, :min(seqlen_q, q_block), empty_heads] == 0).all()
+    assert torch.isneginf(lse[0, empty_heads, :min(seqlen_q, q_block)]).all()
+    out_fa2, lse_fa2 = fas.flash_attn_with_sparse_block_table(q, k, v, blocks, causal=causal, backend="fa2")
+    assert max_err(lse, lse_fa2) <= 1e-3
+    assert max_err(out, out_fa2) <= 2e-2
+
+
+@pytest.mark.gpu
+@pytest.mark.sm90
+@pytest.mark.parametrize("dtype,block_size,causal,num_splits", [
+    (torch.bfloat16, 128, True, 1),
+    (torch.float16, 64, False, 1),   # tile_n 64: fails without patches/flash-attn-4/0001
+    (torch.bfloat16, 64, True, 1),
+    (torch.bfloat16, 128, True, 3),  # split-KV over varlen lists
+])
+def test_varlen_ragged_batch(dtype, block_size, causal, num_splits):
+    _needs_fa4()
+    seed = block_size + causal + num_splits
     g = torch.Generator(device="cuda").manual_seed(seed)
     rng = random.Random(seed)
     seqlens = [(1, 1), (300, 2500), (0, 700), (1000, 1000), (65, 4097), (129, 129)]
@@ -178,7 +228,8 @@ def test_varlen_ragged_batch(dtype, block_size, causal):
     v = torch.cat([x[2][0] for x in per_seq])
     args = (q, k, v, cu_q, cu_k, max(s[0] for s in seqlens), max(s[1] for s in seqlens), blocks)
     poison_allocator((tuple(q.shape), q.dtype), ((heads, q.shape[0]), torch.float32))
-    out, lse = fas.flash_attn_varlen_with_sparse_blocks(*args, causal=causal, backend="fa4", validate="full")
+    out, lse = fas.flash_attn_varlen_with_sparse_blocks(*args, causal=causal, backend="fa4", num_splits=num_splits,
+                                                        validate="full")
     out_fa2, lse_fa2 = fas.flash_attn_varlen_with_sparse_blocks(*args, causal=causal, backend="fa2")
     for i, (sq, sk) in enumerate(seqlens):
         if sq == 0:

@@ -86,15 +86,25 @@ def compile_case(name: str) -> str:
                 q, k, torch.empty_like(k), cu_seqlens_q=cu_seqlens, cu_seqlens_k=cu_seqlens,
                 max_seqlen_q=max_seqlen, max_seqlen_k=max_seqlen, causal=False,
                 block_sparse_tensors=tensors, return_lse=True)
+        elif name == "decode_split_kv":  # stage 4's split-KV over per-K/V-head lists (PackGQA, fp32 partials)
+            batch, seqlen_q, seqlen_k, block = 4, 16, 8192, 128
+            q, k = empty(batch, seqlen_q, heads, dim), empty(batch, seqlen_k, heads_k, dim)
+            counts = lambda: empty(batch, heads_k, 1, dtype=torch.int32)
+            ids = lambda: empty(batch, heads_k, 1, seqlen_k // block, dtype=torch.int32)
+            tensors = BlockSparseTensorsTorch(counts(), ids(), counts(), ids(), block_size=(128, block))
+            out, lse = interface.flash_attn_func(q, k, torch.empty_like(k), block_sparse_tensors=tensors,
+                                                 return_lse=True, num_splits=3)
         else:
             raise ValueError(name)
     compiled = interface._flash_attn_fwd.compile_cache.cache
     if len(compiled) != 1 or not next(iter(compiled.values())).has_gpu_module:
         raise RuntimeError(f"expected one compiled SM90 kernel with a GPU module, got {compiled!r}")
+    if name == "decode_split_kv" and not interface._flash_attn_fwd_combine.compile_cache.cache:
+        raise RuntimeError("the split partials were not combined")
     return f"compiled {name}: out {tuple(out.shape)}, lse {tuple(lse.shape)}"
 
 
-@pytest.mark.parametrize("case", ["batched_causal_128", "varlen_block_64"])
+@pytest.mark.parametrize("case", ["batched_causal_128", "varlen_block_64", "decode_split_kv"])
 def test_sm90_block_sparse_forward_compiles_without_a_gpu(patched_fa4: Path, case: str):
     env = {**os.environ, **CROSS_COMPILE_ENV,
            "PYTHONPATH": os.pathsep.join([str(patched_fa4), str(REPO / "tests"), os.environ.get("PYTHONPATH", "")])}

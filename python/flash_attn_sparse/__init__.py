@@ -14,6 +14,7 @@ from .builders import (
 )
 from .interface import (
     choose_backend,
+    choose_num_splits_for,
     flash_attn_combine,
     flash_attn_sparse_partials,
     flash_attn_speculative_sparse,
@@ -30,6 +31,7 @@ __all__ = [
     "blocks_from_mask",
     "blocks_from_scores",
     "choose_backend",
+    "choose_num_splits_for",
     "flash_attn_combine",
     "flash_attn_sparse_partials",
     "flash_attn_speculative_sparse",

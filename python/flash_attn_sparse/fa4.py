@@ -7,10 +7,14 @@ project's, so every call goes through `block_sparse_tensors`, which
   sequence-end mask to that first-processed block only, so a partial tail block must come last;
 - drops entries past the count and ids outside the sequence, and recounts (our kernels skip
   them; its kernels would read out of bounds);
-- expands per-K/V-head lists to per-query-head ones (it accepts 1 or num_heads list heads);
+- keeps per-K/V-head lists as they are: flash-attn-4 (stage 4) then packs the query heads of a
+  K/V head into one tile (PackGQA), so each listed block is read once per K/V head;
 - trims the batched tables to exactly ceil(seqlen_q / q_block_size) rows, as it requires;
 - re-lays varlen rows at its stride, ceil(seqlen_k_b / block_size) entries per row.
 Empty lists keep their meaning (O = 0, LSE = -inf) and LSE comes back in the FA-2 path's layout.
+
+Split-KV (stage 4): each of `num_splits` CTAs per tile walks an even share of the tile's lists
+and writes an fp32 partial; flash-attn-4's combine kernel merges them.
 
 What it cannot run (`unsupported_reason` says why): GPUs other than SM90, head dims above 128,
 logical block sizes other than 64 and 128 (its SM90 tile_n must equal the block size), varlen
@@ -31,6 +35,7 @@ from .metadata import SparseBlocks, cdiv
 BLOCK_SIZES = (64, 128)
 VARLEN_Q_BLOCK_SIZES = (64, 128)
 MAX_HEAD_DIM = 128
+TILE_ROWS = 128  # query rows of its SM90 tile at these head dims
 _PAST_EVERY_ID = torch.iinfo(torch.int32).max
 
 
@@ -154,13 +159,12 @@ def _varlen_lists(cnt: Tensor, idx: Tensor, rows: _VarlenRows) -> Tuple[Tensor, 
     return new_cnt.contiguous(), new_idx[:, :max(rows.capacity, 1)].contiguous()
 
 
-def block_sparse_tensors(blocks: SparseBlocks, *, batch: int, num_heads: int, max_seqlen_q: int,
+def block_sparse_tensors(blocks: SparseBlocks, *, batch: int, max_seqlen_q: int,
                          max_seqlen_k: int, cu_seqlens_k: Optional[Tensor] = None,
                          seqused_k: Optional[Tensor] = None):
     """flash-attn-4's BlockSparseTensorsTorch for these lists, under its contract (module doc)."""
     from .builders import to_cute_block_sparse_tensors
     q_block = blocks.resolved_q_block_size(max_seqlen_q)
-    head_dim = 0 if blocks.is_varlen else 1
     if blocks.is_varlen:
         seqlens_k = seqused_k if seqused_k is not None else cu_seqlens_k[1:] - cu_seqlens_k[:-1]
         rows = _VarlenRows.of(blocks, seqlens_k, max_seqlen_k)
@@ -168,17 +172,8 @@ def block_sparse_tensors(blocks: SparseBlocks, *, batch: int, num_heads: int, ma
     else:
         adapt = lambda cnt, idx: _batched_lists(cnt, idx, cdiv(max_seqlen_q, q_block), cdiv(max_seqlen_k, blocks.block_size))
 
-    def adapted(cnt, idx):
-        if cnt is None:
-            return None, None
-        cnt, idx = adapt(cnt, idx)
-        if cnt.shape[head_dim] not in (1, num_heads):  # per-K/V-head lists: one copy per query head of the group
-            group = num_heads // cnt.shape[head_dim]
-            cnt, idx = cnt.repeat_interleave(group, dim=head_dim), idx.repeat_interleave(group, dim=head_dim)
-        return cnt, idx
-
-    full_cnt, full_idx = adapted(blocks.full_cnt, blocks.full_idx)
-    mask_cnt, mask_idx = adapted(blocks.mask_cnt, blocks.mask_idx)
+    full_cnt, full_idx = adapt(blocks.full_cnt, blocks.full_idx)
+    mask_cnt, mask_idx = adapt(blocks.mask_cnt, blocks.mask_idx) if blocks.mask_cnt is not None else (None, None)
     if mask_cnt is None:  # its kernels need mask lists: empty ones, whose ids are never read
         mask_cnt, mask_idx = torch.zeros_like(full_cnt), full_idx
     return to_cute_block_sparse_tensors(SparseBlocks(
@@ -187,19 +182,29 @@ def block_sparse_tensors(blocks: SparseBlocks, *, batch: int, num_heads: int, ma
         cu_block_idx_offsets=rows.new_offsets if blocks.is_varlen else None))
 
 
+def tiles(q: Tensor, k: Tensor, blocks: SparseBlocks, *, batch: int, max_seqlen_q: int) -> int:
+    """CTAs of one split: 128-row tiles of each sequence's rows, the query heads of a K/V head
+    packed together when the lists are shared or per K/V head (the interface's PackGQA rule)."""
+    heads, heads_k = q.shape[-2], k.shape[-2]
+    packed = heads > heads_k and blocks.num_heads in (1, heads_k)
+    tile_heads = heads_k if packed else heads
+    return batch * tile_heads * cdiv(max_seqlen_q * (heads // tile_heads), TILE_ROWS)
+
+
 def run(q: Tensor, k: Tensor, v: Tensor, blocks: SparseBlocks, *, softmax_scale: float, causal: bool,
         batch: int, max_seqlen_q: int, max_seqlen_k: int, cu_seqlens_q: Optional[Tensor] = None,
-        cu_seqlens_k: Optional[Tensor] = None, seqused_k: Optional[Tensor] = None) -> Tuple[Tensor, Tensor]:
+        cu_seqlens_k: Optional[Tensor] = None, seqused_k: Optional[Tensor] = None,
+        num_splits: int = 1) -> Tuple[Tensor, Tensor]:
     """The sparse forward on flash-attn-4's SM90 kernel. Returns (out, lse) as the FA-2 path does."""
     interface = import_cute("interface")
-    tensors = block_sparse_tensors(blocks, batch=batch, num_heads=q.shape[-2], max_seqlen_q=max_seqlen_q,
+    tensors = block_sparse_tensors(blocks, batch=batch, max_seqlen_q=max_seqlen_q,
                                    max_seqlen_k=max_seqlen_k, cu_seqlens_k=cu_seqlens_k, seqused_k=seqused_k)
     if blocks.is_varlen:
         out, lse = interface.flash_attn_varlen_func(
             q, k, v, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q,
             max_seqlen_k=max_seqlen_k, seqused_k=seqused_k, softmax_scale=softmax_scale, causal=causal,
-            block_sparse_tensors=tensors, return_lse=True)
+            block_sparse_tensors=tensors, return_lse=True, num_splits=num_splits)
     else:
         out, lse = interface.flash_attn_func(q, k, v, softmax_scale=softmax_scale, causal=causal,
-                                             block_sparse_tensors=tensors, return_lse=True)
+                                             block_sparse_tensors=tensors, return_lse=True, num_splits=num_splits)
     return out, lse

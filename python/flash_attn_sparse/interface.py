@@ -329,6 +329,14 @@ class _Call:
             return self.requested_splits
         return choose_num_splits(*self.split_work())
 
+    def fa4_num_splits(self) -> int:
+        """The requested split count, or for 0 the same heuristic over FA-4's tiles: one CTA per
+        SM (its SM90 tile takes most of the shared memory), one list entry per kernel tile."""
+        if self.requested_splits:
+            return self.requested_splits
+        ctas = fa4.tiles(self.q, self.k, self.blocks, batch=self.batch, max_seqlen_q=self.max_seqlen_q)
+        return choose_num_splits(ctas, _num_sms(self.q.device.index or 0), max(self.max_list_length(), 1))
+
     def backend(self) -> Tuple[str, str]:
         """(backend, why): the requested one, or auto's choice. A requested "fa4" that cannot
         run this call is an error."""
@@ -345,8 +353,6 @@ class _Call:
         if self.requested_backend == "fa4":
             if unsupported:
                 fail("backend", f"'fa4' cannot run this call: {unsupported}")
-            if self.requested_splits > 1:
-                fail("num_splits", "the Hopper backend has no split-KV; use num_splits=0 or 1")
             return "fa4", "requested"
         if unsupported:
             return "fa2", unsupported
@@ -369,7 +375,8 @@ class _Call:
         if backend == "fa4":
             return fa4.run(self.q, self.k, self.v, self.effective_blocks(), softmax_scale=self.scale, causal=self.causal,
                            batch=self.batch, max_seqlen_q=self.max_seqlen_q, max_seqlen_k=self.max_seqlen_k,
-                           cu_seqlens_q=self.cu_seqlens_q, cu_seqlens_k=self.cu_seqlens_k, seqused_k=self.seqused_k)
+                           cu_seqlens_q=self.cu_seqlens_q, cu_seqlens_k=self.cu_seqlens_k, seqused_k=self.seqused_k,
+                           num_splits=self.fa4_num_splits())
         return ops.sparse_fwd(*self.op_args(self.num_splits()))
 
     def run_partial(self, out_partial: Tensor, lse_partial: Tensor, offset: int, num_splits: int) -> None:
@@ -423,6 +430,16 @@ def flash_attn_varlen_with_sparse_blocks(q: Tensor, k: Tensor, v: Tensor, cu_seq
                  max_seqlen_k=max_seqlen_k, seqused_k=seqused_k, validate=validate, table_name="blocks",
                  backend=backend)
     return call.run()
+
+
+def choose_num_splits_for(q: Tensor, k: Tensor, v: Tensor, blocks: BlockTable, block_size: int = 128,
+                          backend: str = "fa2", **options) -> int:
+    """The split-KV count that flash_attn_with_sparse_block_table (options as in choose_backend)
+    would use on `backend` ("fa2" or "fa4") with num_splits=0. Never syncs."""
+    batch = q.shape[0] if isinstance(q, Tensor) and q.dim() == 4 and "cu_seqlens_q" not in options else 1
+    call = _Call(q, k, v, _as_blocks(blocks, block_size, batch, "blocks"), causal=False, softmax_scale=None,
+                 backend=backend, **options)
+    return call.fa4_num_splits() if backend == "fa4" else call.num_splits()
 
 
 def choose_backend(q: Tensor, k: Tensor, v: Tensor, blocks: BlockTable, block_size: int = 128,
