@@ -85,6 +85,58 @@ def test_varlen_lists_relaid_at_flash_attn_4_stride(block_size):
             tile += 1
 
 
+def adapter_matches_reference(device: str, trials: int = 40) -> str:
+    """_batched_lists_triton against the sorted torch reference on random tables: the same counts,
+    the same entries, the partial tail block last, int32 max past the count. Strided inputs,
+    counts past the row, ids out of range; a repeated tail block is invalid input (validate
+    rejects duplicates) and is left out here."""
+    rng = random.Random(0)
+    for _ in range(trials):
+        batch, heads, m_in, width, n = (rng.randint(1, 3), rng.randint(1, 3), rng.randint(1, 4), rng.randint(1, 40),
+                                        rng.randint(1, 30))
+        idx = torch.tensor([[[[rng.randrange(-2, n + 3) for _ in range(width)] for _ in range(m_in)]
+                             for _ in range(heads)] for _ in range(batch)], dtype=torch.int32)
+        for row in idx.view(-1, width):
+            tails = (row == n - 1).nonzero().flatten()
+            row[tails[1:]] = -1
+        if rng.random() < 0.5:
+            idx = idx.transpose(1, 2).contiguous().transpose(1, 2)
+        cnt = torch.tensor([[[rng.randrange(0, width + 3) for _ in range(m_in)] for _ in range(heads)]
+                            for _ in range(batch)], dtype=torch.int32)
+        m_blocks, tail_partial = rng.randint(1, m_in), rng.random() < 0.5
+        ref_cnt, ref_idx = fa4._batched_lists(cnt, idx, m_blocks, n)
+        new_cnt, new_idx = fa4._batched_lists_triton(cnt.to(device), idx.to(device), m_blocks, n, tail_partial)
+        new_cnt, new_idx = new_cnt.cpu(), new_idx.cpu()
+        assert torch.equal(new_cnt, ref_cnt)
+        for r, (count, row) in enumerate(zip(new_cnt.flatten().tolist(), new_idx.view(-1, new_idx.shape[-1]))):
+            assert sorted(row[:count].tolist()) == ref_idx.view(-1, ref_idx.shape[-1])[r, :count].tolist()
+            if tail_partial and n - 1 in row[:count].tolist():
+                assert row[count - 1] == n - 1
+            assert (row[count:] == torch.iinfo(torch.int32).max).all()
+    return f"adapter ok on {device}"
+
+
+def test_triton_list_adapter_in_the_interpreter():
+    """The decode path's one-launch list adapter, run by Triton's CPU interpreter (a fresh
+    interpreter: TRITON_INTERPRET is read at import)."""
+    if importlib.util.find_spec("triton") is None:
+        pytest.skip("triton is not installed")
+    import os, subprocess, sys
+    from pathlib import Path
+    paths = [str(Path(__file__).parent), str(Path(fas.__file__).parents[1]), os.environ.get("PYTHONPATH", "")]
+    child = subprocess.run([sys.executable, "-c", "import test_stage4_fa4 as t; print(t.adapter_matches_reference('cpu'))"],
+                           env={**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": os.pathsep.join(paths)},
+                           capture_output=True, text=True, timeout=600)
+    assert child.returncode == 0 and "adapter ok" in child.stdout, child.stderr[-4000:]
+
+
+@pytest.mark.gpu
+def test_triton_list_adapter_on_the_gpu():
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA GPU on this machine")
+    assert adapter_matches_reference("cuda") == "adapter ok on cuda"
+
+
 def test_bad_backend_name_is_refused():
     q = torch.randn(1, 4, 2, 64, dtype=torch.bfloat16)
     k = v = torch.randn(1, 256, 2, 64, dtype=torch.bfloat16)
@@ -205,7 +257,7 @@ def test_split_kv_over_lists(seqlen_q, table_heads, causal, num_splits):
     (torch.bfloat16, 128, True, 1),
     (torch.float16, 64, False, 1),   # tile_n 64: fails without patches/flash-attn-4/0001
     (torch.bfloat16, 64, True, 1),
-    (torch.bfloat16, 128, True, 3),  # split-KV over varlen lists
+    (torch.bfloat16, 128, True, 3),  # split-KV over varlen lists: refused, with the reason
 ])
 def test_varlen_ragged_batch(dtype, block_size, causal, num_splits):
     _needs_fa4()
@@ -227,9 +279,12 @@ def test_varlen_ragged_batch(dtype, block_size, causal, num_splits):
     k = torch.cat([x[1][0] for x in per_seq])
     v = torch.cat([x[2][0] for x in per_seq])
     args = (q, k, v, cu_q, cu_k, max(s[0] for s in seqlens), max(s[1] for s in seqlens), blocks)
+    if num_splits > 1:
+        with pytest.raises(SparseInputError, match="^num_splits.*fixed-length"):
+            fas.flash_attn_varlen_with_sparse_blocks(*args, causal=causal, backend="fa4", num_splits=num_splits)
+        return
     poison_allocator((tuple(q.shape), q.dtype), ((heads, q.shape[0]), torch.float32))
-    out, lse = fas.flash_attn_varlen_with_sparse_blocks(*args, causal=causal, backend="fa4", num_splits=num_splits,
-                                                        validate="full")
+    out, lse = fas.flash_attn_varlen_with_sparse_blocks(*args, causal=causal, backend="fa4", validate="full")
     out_fa2, lse_fa2 = fas.flash_attn_varlen_with_sparse_blocks(*args, causal=causal, backend="fa2")
     for i, (sq, sk) in enumerate(seqlens):
         if sq == 0:
@@ -265,7 +320,7 @@ def test_auto_routing():
     dense = lambda sk, bs=128: torch.arange(-(-sk // bs), dtype=torch.int32, device="cuda")
     q, k, v = random_qkv(1, 4096, 4096, 8, 8, 128, torch.bfloat16)
     assert fas.choose_backend(q, k, v, dense(4096))[0] == "fa4"
-    assert fas.choose_backend(q, k, v, dense(4096), num_splits=2)[0] == "fa2"
+    assert fas.choose_backend(q, k, v, dense(4096), num_splits=2)[0] == "fa4"  # it splits fixed-length calls
     assert fas.choose_backend(q, k, v, dense(4096, 256), block_size=256)[0] == "fa2"
     with pytest.raises(SparseInputError, match="^backend"):
         fas.choose_backend(q, k, v, dense(4096, 256), block_size=256, backend="fa4")
@@ -274,11 +329,17 @@ def test_auto_routing():
     assert fas.choose_backend(q, k_cache, v_cache, dense(4096), page_table=page_table)[0] == "fa2"
     with pytest.raises(SparseInputError, match="^backend"):
         fas.choose_backend(q, k_cache, v_cache, dense(4096), page_table=page_table, backend="fa4")
-    # Fewer 128-row tiles than SMs: FA-2, which splits the list.
+    # Fewer 128-row tiles than SMs: FA-4 splits the list too.
     q_short = q[:, :512].expand(1, 512, 8, 128)
-    assert fas.choose_backend(q_short, k, v, dense(4096))[0] == "fa2"
+    assert fas.choose_backend(q_short, k, v, dense(4096))[0] == "fa4"
+    # Decode: FA-4 where its tiles hold 64+ packed rows (16 queries x 4 heads per K/V head).
     q_decode, k_decode, v_decode = random_qkv(8, 16, 32768, 32, 8, 128, torch.bfloat16)
-    assert fas.choose_backend(q_decode, k_decode, v_decode, dense(32768))[0] == "fa2"
+    assert fas.choose_backend(q_decode, k_decode, v_decode, dense(32768))[0] == "fa4"
+    assert fas.choose_num_splits_for(q_decode, k_decode, v_decode, dense(32768), backend="fa4") > 1
+    assert fas.choose_backend(q_decode[:, :1], k_decode, v_decode, dense(32768))[0] == "fa2"
+    per_q_head = SparseBlocks(torch.full((8, 32, 1), 256, dtype=torch.int32, device="cuda"),  # 16 rows per tile
+                              dense(32768).expand(8, 32, 1, 256).contiguous(), block_size=128)
+    assert fas.choose_backend(q_decode, k_decode, v_decode, per_q_head)[0] == "fa2"
 
 
 @pytest.mark.gpu

@@ -3,8 +3,9 @@
 flash-attn-4 (imported as `flash_attn.cute`, the `[hopper]` extra) already walks per-tile
 "mask"/"full" block lists on SM90 with TMA and WGMMA. Its contract is narrower than this
 project's, so every call goes through `block_sparse_tensors`, which
-- sorts each list ascending: it walks a list from its last entry down and applies the
-  sequence-end mask to that first-processed block only, so a partial tail block must come last;
+- puts a partial tail block last in its list: it walks a list from its last entry down and
+  applies the sequence-end mask to that first-processed block only (on the GPU one Triton
+  launch keeps the other entries in their order; the CPU path sorts);
 - drops entries past the count and ids outside the sequence, and recounts (our kernels skip
   them; its kernels would read out of bounds);
 - keeps per-K/V-head lists as they are: flash-attn-4 (stage 4) then packs the query heads of a
@@ -36,6 +37,8 @@ BLOCK_SIZES = (64, 128)
 VARLEN_Q_BLOCK_SIZES = (64, 128)
 MAX_HEAD_DIM = 128
 TILE_ROWS = 128  # query rows of its SM90 tile at these head dims
+SPLIT_KV_UNSUPPORTED = ("split-KV runs on fixed-length calls only (varlen splits would need the per-sequence "
+                        "split counts of flash-attn-4's varlen scheduler, which its SM90 kernel does not read)")
 _PAST_EVERY_ID = torch.iinfo(torch.int32).max
 
 
@@ -86,13 +89,69 @@ def unsupported_reason(q: Tensor, blocks: SparseBlocks, *, max_seqlen_q: int, va
 
 def _batched_lists(cnt: Tensor, idx: Tensor, m_blocks: int, n_blocks: int) -> Tuple[Tensor, Tensor]:
     """Sorted, range-checked (cnt, idx) of batched tables trimmed to m_blocks rows and at most
-    n_blocks entries per row."""
+    n_blocks entries per row. The reference of _batched_lists_triton (and the CPU path)."""
     cnt = cnt[:, :, :m_blocks]
     idx = idx[:, :, :m_blocks, :n_blocks]
     rank = torch.arange(idx.shape[-1], dtype=torch.int32, device=idx.device)
     valid = (rank < cnt.unsqueeze(-1)) & (idx >= 0) & (idx < n_blocks)
     idx_sorted = torch.where(valid, idx, _PAST_EVERY_ID).sort(dim=-1).values
     return valid.sum(dim=-1, dtype=torch.int32).contiguous(), idx_sorted.contiguous()
+
+
+@functools.lru_cache(maxsize=None)
+def _adapt_rows_kernel():
+    """The Triton kernel of _batched_lists_triton (built on first use: Triton is only needed here)."""
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def adapt_rows(cnt_ptr, idx_ptr, cnt_out_ptr, idx_out_ptr, heads, m_blocks, width, n_blocks, tail_id,
+                   stride_cb, stride_ch, stride_cm, stride_ib, stride_ih, stride_im, stride_in,
+                   BLOCK: tl.constexpr):
+        row = tl.program_id(0)  # one (batch, head, query tile) row per program
+        m = row % m_blocks
+        h = (row // m_blocks) % heads
+        b = row // (m_blocks * heads)
+        offs = tl.arange(0, BLOCK)
+        in_row = offs < width
+        ids = tl.load(idx_ptr + b * stride_ib + h * stride_ih + m * stride_im + offs * stride_in, mask=in_row, other=-1)
+        count_in = tl.load(cnt_ptr + b * stride_cb + h * stride_ch + m * stride_cm)
+        valid = in_row & (offs < count_in) & (ids >= 0) & (ids < n_blocks)
+        # The partial tail block (tail_id, -1 if none) goes last: the kernel masks the sequence end
+        # on a list's first-processed entry only. A repeated tail entry is dropped.
+        is_tail = valid & (ids == tail_id)
+        first_tail = is_tail & (tl.cumsum(is_tail.to(tl.int32), 0) == 1)
+        body = valid & (ids != tail_id)
+        kept = body | first_tail
+        count = tl.sum(kept.to(tl.int32), 0)
+        dropped = in_row & ~kept
+        pos = tl.where(body, tl.cumsum(body.to(tl.int32), 0) - 1,
+                       tl.where(first_tail, count - 1, count + tl.cumsum(dropped.to(tl.int32), 0) - 1))
+        tl.store(idx_out_ptr + row * width + pos, tl.where(kept, ids, 2147483647), mask=in_row)
+        tl.store(cnt_out_ptr + row, count)
+
+    return adapt_rows
+
+
+def _batched_lists_triton(cnt: Tensor, idx: Tensor, m_blocks: int, n_blocks: int, tail_partial: bool
+                          ) -> Tuple[Tensor, Tensor]:
+    """_batched_lists in one launch: each row's valid entries in their order, the partial tail
+    block (if tail_partial) moved last, then the dropped ones as int32 max. The same entries and
+    counts as the sorted reference, without a sort (its several launches cost more than the
+    decode kernel's listed reads at 1/16, run 52)."""
+    import triton
+    batch, heads = cnt.shape[0], cnt.shape[1]
+    m_blocks = min(m_blocks, cnt.shape[2])
+    width = min(idx.shape[-1], n_blocks)
+    cnt_out = torch.empty(batch, heads, m_blocks, dtype=torch.int32, device=cnt.device)
+    idx_out = torch.empty(batch, heads, m_blocks, width, dtype=torch.int32, device=idx.device)
+    if cnt_out.numel() and width:
+        _adapt_rows_kernel()[(cnt_out.numel(),)](
+            cnt, idx, cnt_out, idx_out, heads, m_blocks, width, n_blocks, n_blocks - 1 if tail_partial else -1,
+            *cnt.stride()[:3], *idx.stride(), BLOCK=triton.next_power_of_2(width))
+    elif cnt_out.numel():
+        cnt_out.zero_()
+    return cnt_out, idx_out
 
 
 @dataclass(frozen=True)
@@ -170,7 +229,12 @@ def block_sparse_tensors(blocks: SparseBlocks, *, batch: int, max_seqlen_q: int,
         rows = _VarlenRows.of(blocks, seqlens_k, max_seqlen_k)
         adapt = lambda cnt, idx: _varlen_lists(cnt, idx, rows)
     else:
-        adapt = lambda cnt, idx: _batched_lists(cnt, idx, cdiv(max_seqlen_q, q_block), cdiv(max_seqlen_k, blocks.block_size))
+        m_blocks, n_blocks = cdiv(max_seqlen_q, q_block), cdiv(max_seqlen_k, blocks.block_size)
+        if blocks.full_idx.is_cuda:
+            tail_partial = max_seqlen_k % blocks.block_size != 0
+            adapt = lambda cnt, idx: _batched_lists_triton(cnt, idx, m_blocks, n_blocks, tail_partial)
+        else:
+            adapt = lambda cnt, idx: _batched_lists(cnt, idx, m_blocks, n_blocks)
 
     full_cnt, full_idx = adapt(blocks.full_cnt, blocks.full_idx)
     mask_cnt, mask_idx = adapt(blocks.mask_cnt, blocks.mask_idx) if blocks.mask_cnt is not None else (None, None)
@@ -182,13 +246,24 @@ def block_sparse_tensors(blocks: SparseBlocks, *, batch: int, max_seqlen_q: int,
         cu_block_idx_offsets=rows.new_offsets if blocks.is_varlen else None))
 
 
-def tiles(q: Tensor, k: Tensor, blocks: SparseBlocks, *, batch: int, max_seqlen_q: int) -> int:
-    """CTAs of one split: 128-row tiles of each sequence's rows, the query heads of a K/V head
-    packed together when the lists are shared or per K/V head (the interface's PackGQA rule)."""
+def _packed(q: Tensor, k: Tensor, blocks: SparseBlocks) -> Tuple[int, int]:
+    """(tile heads, query heads per tile): the query heads of a K/V head share a tile when the
+    lists are shared or per K/V head (the interface's PackGQA rule)."""
     heads, heads_k = q.shape[-2], k.shape[-2]
-    packed = heads > heads_k and blocks.num_heads in (1, heads_k)
-    tile_heads = heads_k if packed else heads
-    return batch * tile_heads * cdiv(max_seqlen_q * (heads // tile_heads), TILE_ROWS)
+    if heads > heads_k and blocks.num_heads in (1, heads_k):
+        return heads_k, heads // heads_k
+    return heads, 1
+
+
+def tiles(q: Tensor, k: Tensor, blocks: SparseBlocks, *, batch: int, max_seqlen_q: int) -> int:
+    """CTAs of one split: 128-row tiles of each sequence's (packed) query rows."""
+    tile_heads, group = _packed(q, k, blocks)
+    return batch * tile_heads * cdiv(max_seqlen_q * group, TILE_ROWS)
+
+
+def rows_per_tile(q: Tensor, k: Tensor, blocks: SparseBlocks, *, max_seqlen_q: int) -> int:
+    """Query rows of real work in one of its 128-row tiles (packed rows, up to 128)."""
+    return min(TILE_ROWS, max_seqlen_q * _packed(q, k, blocks)[1])
 
 
 def run(q: Tensor, k: Tensor, v: Tensor, blocks: SparseBlocks, *, softmax_scale: float, causal: bool,

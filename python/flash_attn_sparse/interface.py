@@ -14,10 +14,15 @@ from .metadata import (BLOCK_SIZES, SparseBlocks, cdiv, exhaustive_validation_re
 BlockTable = Union[Tensor, SparseBlocks]
 MAX_SPLITS = 128
 BACKENDS = ("auto", "fa2", "fa4")
-# auto sends a call to the Hopper (FA-4) backend when its 128-row tiles are full and keep most of
-# the GPU busy (it has no split-KV; per busy SM it is about twice as fast as FA-2): at least this
-# many query rows per sequence and tiles for this share of the SMs. Measured crossover (H200, B1
-# H32 Sk16k): FA-2 ahead at 64 tiles, FA-4 ahead at 128; stages/stage4.md.
+# auto sends a fixed-length call to the Hopper (FA-4) backend when its 128-row tiles hold at
+# least FA4_MIN_TILE_ROWS query rows (packed GQA rows count): both backends split the lists then,
+# and per tile of real rows FA-4's WGMMA kernel is the faster (run 52: B8 Sq16 H32/8, 64 packed
+# rows, 1/16: 26.0 vs 30.2 us kernel time; with 4 packed rows it only ties). A varlen call goes
+# to FA-4 when its tiles are full and keep most of the GPU busy without splitting (FA-4 cannot
+# split varlen calls): at least FA4_MIN_QUERY_ROWS rows per sequence and tiles for
+# FA4_MIN_SM_SHARE of the SMs (crossover measured before split-KV, H200 B1 H32 Sk16k: FA-2
+# ahead at 64 tiles, FA-4 at 128; stages/stage4.md).
+FA4_MIN_TILE_ROWS = 64
 FA4_MIN_QUERY_ROWS = 128
 FA4_TILE_ROWS = 128
 FA4_MIN_SM_SHARE = 0.75
@@ -332,6 +337,8 @@ class _Call:
     def fa4_num_splits(self) -> int:
         """The requested split count, or for 0 the same heuristic over FA-4's tiles: one CTA per
         SM (its SM90 tile takes most of the shared memory), one list entry per kernel tile."""
+        if self.varlen:
+            return 1  # see fa4.SPLIT_KV_UNSUPPORTED
         if self.requested_splits:
             return self.requested_splits
         ctas = fa4.tiles(self.q, self.k, self.blocks, batch=self.batch, max_seqlen_q=self.max_seqlen_q)
@@ -353,11 +360,18 @@ class _Call:
         if self.requested_backend == "fa4":
             if unsupported:
                 fail("backend", f"'fa4' cannot run this call: {unsupported}")
+            if self.requested_splits > 1 and self.varlen:
+                fail("num_splits", f"the Hopper backend cannot split this call: {fa4.SPLIT_KV_UNSUPPORTED}")
             return "fa4", "requested"
         if unsupported:
             return "fa2", unsupported
+        if not self.varlen:  # both backends split the lists: FA-4 wherever its tiles are half full
+            rows = fa4.rows_per_tile(self.q, self.k, self.blocks, max_seqlen_q=self.max_seqlen_q)
+            if rows < FA4_MIN_TILE_ROWS:
+                return "fa2", f"{rows} query rows per FA-4 tile of {FA4_TILE_ROWS}: FA-2's smaller tiles"
+            return "fa4", f"{rows} query rows per FA-4 tile, {self.fa4_num_splits()} splits"
         if self.requested_splits > 1:
-            return "fa2", "split-KV requested"
+            return "fa2", "split-KV requested (FA-4 splits fixed-length calls only)"
         if self.max_seqlen_q < FA4_MIN_QUERY_ROWS:
             return "fa2", f"max_seqlen_q {self.max_seqlen_q} < {FA4_MIN_QUERY_ROWS}: decode-shaped, FA-2 splits the list"
         # Varlen: the tiles of an average sequence (total_q / batch) stand for each sequence's.
@@ -558,7 +572,9 @@ def flash_attn_speculative_sparse(q: Tensor, k_spec: Tensor, v_spec: Tensor, k: 
     # Missed blocks are all visible, so the missed pass is not causal (and is validated so).
     missed_call = _Call(q, k, v, missed, causal=False, softmax_scale=softmax_scale, num_splits=num_splits,
                         validate=validate, seqused_k=seqused_k, page_table=page_table, backend=backend)
-    if missed_call.backend()[0] == "fa4":
+    # At decode auto keeps the one FA-2 launch even where the missed pass alone would run on FA-4:
+    # the FA-4 form's second pass and merge are several launches, worth it at prefill only.
+    if missed_call.backend()[0] == "fa4" and (backend == "fa4" or missed_call.max_seqlen_q >= FA4_MIN_QUERY_ROWS):
         return _speculative_over_missed_on_fa4(missed_call, k_spec, v_spec, causal_spec, validate, backend)
     if _one_launch_refusal(q, k_spec, v_spec, k, v, missed, paged=page_table is not None) is None:
         # "mask" blocks whatever causal_spec: they name the second source; the flag masks them.
