@@ -219,9 +219,10 @@ def _varlen_lists(cnt: Tensor, idx: Tensor, rows: _VarlenRows) -> Tuple[Tensor, 
 
 
 def block_sparse_tensors(blocks: SparseBlocks, *, batch: int, max_seqlen_q: int,
-                         max_seqlen_k: int, causal: bool, cu_seqlens_k: Optional[Tensor] = None,
+                         max_seqlen_k: int, cu_seqlens_k: Optional[Tensor] = None,
                          seqused_k: Optional[Tensor] = None):
     """flash-attn-4's BlockSparseTensorsTorch for these lists, under its contract (module doc)."""
+    from .builders import to_cute_block_sparse_tensors
     q_block = blocks.resolved_q_block_size(max_seqlen_q)
     if blocks.is_varlen:
         seqlens_k = seqused_k if seqused_k is not None else cu_seqlens_k[1:] - cu_seqlens_k[:-1]
@@ -236,19 +237,13 @@ def block_sparse_tensors(blocks: SparseBlocks, *, batch: int, max_seqlen_q: int,
             adapt = lambda cnt, idx: _batched_lists(cnt, idx, m_blocks, n_blocks)
 
     full_cnt, full_idx = adapt(blocks.full_cnt, blocks.full_idx)
-    if blocks.mask_cnt is not None:
-        mask_cnt, mask_idx = adapt(blocks.mask_cnt, blocks.mask_idx)
-    elif not causal:
-        # Its kernels need mask lists. A non-causal call masks nothing in them but the sequence
-        # end, as in full lists, so the full lists go in as mask lists: no zero counts to write.
-        mask_cnt, mask_idx, full_cnt, full_idx = full_cnt, full_idx, None, None
-    else:  # empty mask lists, whose ids are never read
+    mask_cnt, mask_idx = adapt(blocks.mask_cnt, blocks.mask_idx) if blocks.mask_cnt is not None else (None, None)
+    if mask_cnt is None:  # its kernels need mask lists: empty ones, whose ids are never read
         mask_cnt, mask_idx = torch.zeros_like(full_cnt), full_idx
-    return import_cute("block_sparsity").BlockSparseTensorsTorch(
-        mask_block_cnt=mask_cnt, mask_block_idx=mask_idx, full_block_cnt=full_cnt, full_block_idx=full_idx,
+    return to_cute_block_sparse_tensors(SparseBlocks(
+        full_cnt, full_idx, mask_cnt, mask_idx, block_size=blocks.block_size, q_block_size=q_block,
         cu_total_m_blocks=blocks.cu_total_m_blocks,
-        cu_block_idx_offsets=rows.new_offsets if blocks.is_varlen else None,
-        block_size=(int(q_block), int(blocks.block_size)))
+        cu_block_idx_offsets=rows.new_offsets if blocks.is_varlen else None))
 
 
 def _packed(q: Tensor, k: Tensor, blocks: SparseBlocks) -> Tuple[int, int]:
@@ -277,8 +272,8 @@ def run(q: Tensor, k: Tensor, v: Tensor, blocks: SparseBlocks, *, softmax_scale:
         num_splits: int = 1) -> Tuple[Tensor, Tensor]:
     """The sparse forward on flash-attn-4's SM90 kernel. Returns (out, lse) as the FA-2 path does."""
     interface = import_cute("interface")
-    tensors = block_sparse_tensors(blocks, batch=batch, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k,
-                                   causal=causal, cu_seqlens_k=cu_seqlens_k, seqused_k=seqused_k)
+    tensors = block_sparse_tensors(blocks, batch=batch, max_seqlen_q=max_seqlen_q,
+                                   max_seqlen_k=max_seqlen_k, cu_seqlens_k=cu_seqlens_k, seqused_k=seqused_k)
     if blocks.is_varlen:
         out, lse = interface.flash_attn_varlen_func(
             q, k, v, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q,
