@@ -4,8 +4,9 @@ flash-attn-4 (imported as `flash_attn.cute`, the `[hopper]` extra) already walks
 "mask"/"full" block lists on SM90 with TMA and WGMMA. Its contract is narrower than this
 project's, so every call goes through `block_sparse_tensors`, which
 - puts a partial tail block last in its list: it walks a list from its last entry down and
-  applies the sequence-end mask to that first-processed block only (on the GPU one Triton
-  launch keeps the other entries in their order; the CPU path sorts);
+  applies the sequence-end mask to that first-processed block only (a batched table on the
+  GPU: one Triton launch that keeps the other entries in their order; varlen tables and the CPU
+  path sort);
 - drops entries past the count and ids outside the sequence, and recounts (our kernels skip
   them; its kernels would read out of bounds);
 - keeps per-K/V-head lists as they are: flash-attn-4 (stage 4) then packs the query heads of a
@@ -14,8 +15,9 @@ project's, so every call goes through `block_sparse_tensors`, which
 - re-lays varlen rows at its stride, ceil(seqlen_k_b / block_size) entries per row.
 Empty lists keep their meaning (O = 0, LSE = -inf) and LSE comes back in the FA-2 path's layout.
 
-Split-KV (stage 4): each of `num_splits` CTAs per tile walks an even share of the tile's lists
-and writes an fp32 partial; flash-attn-4's combine kernel merges them.
+Split-KV (stage 4), fixed-length calls only (SPLIT_KV_UNSUPPORTED): each of `num_splits` CTAs
+per tile walks an even share of the tile's lists and writes an fp32 partial; flash-attn-4's
+combine kernel merges them.
 
 What it cannot run (`unsupported_reason` says why): GPUs other than SM90, head dims above 128,
 logical block sizes other than 64 and 128 (its SM90 tile_n must equal the block size), varlen
