@@ -387,3 +387,39 @@ def test_speculative_forms_run_on_fa4_at_prefill(causal_spec, monkeypatch):
                                                        backend="fa2")
     assert len(fa4_lists) == 3
     assert max_err(lse_g, lse_g2) <= 1e-3 and max_err(out_g, out_g2) <= 2e-2
+
+
+@pytest.mark.gpu
+@pytest.mark.sm90
+def test_speculative_forms_at_decode_with_fa4_present(monkeypatch):
+    """At decode with 64+ packed rows per FA-4 tile (16 queries x 4 query heads per K/V head)
+    the zero-copy form runs as one FA-4 pass with its shared speculative mask lists, split; the
+    gathered form keeps its one FA-2 launch. Both against the fp32 reference."""
+    _needs_fa4()
+    g = torch.Generator(device="cuda").manual_seed(23)
+    batch, seqlen_q, seqlen_k, heads, heads_k, block = 2, 16, 8192, 8, 2, 128
+    q, k, v = random_qkv(batch, seqlen_q, seqlen_k, heads, heads_k, 128, torch.bfloat16, generator=g)
+    spec_start = seqlen_k // block - 2  # the speculative set: the last 2 blocks, causal
+    spec_ids = [spec_start + 1, spec_start]
+    missed_ids = random.Random(3).sample(range(spec_start), 9)
+    spec = torch.tensor(spec_ids, dtype=torch.int32, device="cuda")
+    missed = torch.tensor(missed_ids, dtype=torch.int32, device="cuda")
+    visible = torch.zeros(seqlen_q, seqlen_k, dtype=torch.bool, device="cuda")
+    visible[:, block_positions(missed_ids, block, seqlen_k).cuda()] = True
+    spec_pos = block_positions(spec_ids, block, seqlen_k).cuda()
+    rows = torch.arange(seqlen_q, device="cuda")[:, None]
+    visible[:, spec_pos] = spec_pos[None, :] <= rows + seqlen_k - seqlen_q
+    fa4_calls = []
+    run_fa4 = fa4.run
+    monkeypatch.setattr(fa4, "run", lambda *a, **kw: fa4_calls.append(kw["num_splits"]) or run_fa4(*a, **kw))
+
+    poison_allocator(((batch, seqlen_q, heads, 128), torch.bfloat16), ((batch, heads, seqlen_q), torch.float32))
+    out, lse = fas.flash_attn_speculative_sparse_zero_copy(q, k, v, spec, missed, validate="full")
+    assert len(fa4_calls) == 1 and fa4_calls[0] > 1  # 4 tiles on 100+ SMs: split
+    assert_close_to_reference(out, lse, q, k, v, visible)
+
+    k_spec, v_spec = k[:, spec_start * block:].contiguous(), v[:, spec_start * block:].contiguous()
+    out_g, lse_g = fas.flash_attn_speculative_sparse(q, k_spec, v_spec, k, v, missed, validate="full")
+    assert len(fa4_calls) == 1
+    assert_close_to_reference(out_g, lse_g, q, k, v, visible)
+    assert max_err(lse, lse_g) <= 1e-3 and max_err(out, out_g) <= 2e-2
