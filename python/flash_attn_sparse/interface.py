@@ -421,8 +421,10 @@ def flash_attn_with_sparse_block_table(q: Tensor, k: Tensor, v: Tensor, sparse_b
     blocks of key positions. page_size is a multiple of 16 that divides block_size or is a
     multiple of it; seqlen_k is seqused_k, else max_pages * page_size.
     backend: "fa2" (this package's kernels), "fa4" (flash-attn-4's SM90 kernel, extra
-    `[hopper]`) or "auto" (FA-4 for prefill-shaped calls on SM90 when it can run them, else
-    FA-2); `choose_backend` tells which, and the "flash_attn_sparse" logger says so at DEBUG.
+    `[hopper]`) or "auto" (on SM90 FA-4 where it can run the call and its 128-row tiles hold 64+
+    query rows, packed GQA rows included, else FA-2; stages/stage4.md);
+    `choose_backend` tells which and `choose_num_splits_for` the split count, and the
+    "flash_attn_sparse" logger says so at DEBUG.
     """
     blocks = _as_blocks(sparse_block_table, block_size, q.shape[0] if isinstance(q, Tensor) and q.dim() == 4 else 1,
                         "sparse_block_table")
@@ -446,13 +448,18 @@ def flash_attn_varlen_with_sparse_blocks(q: Tensor, k: Tensor, v: Tensor, cu_seq
     return call.run()
 
 
+def _call_to_choose_for(q, k, v, blocks: BlockTable, block_size: int, **options) -> _Call:
+    """The _Call that flash_attn_with_sparse_block_table, or with cu_seqlens_q in options
+    flash_attn_varlen_with_sparse_blocks, would make: what the choose_* functions ask."""
+    batch = q.shape[0] if isinstance(q, Tensor) and q.dim() == 4 and "cu_seqlens_q" not in options else 1
+    return _Call(q, k, v, _as_blocks(blocks, block_size, batch, "blocks"), causal=False, softmax_scale=None, **options)
+
+
 def choose_num_splits_for(q: Tensor, k: Tensor, v: Tensor, blocks: BlockTable, block_size: int = 128,
                           backend: str = "fa2", **options) -> int:
     """The split-KV count that flash_attn_with_sparse_block_table (options as in choose_backend)
     would use on `backend` ("fa2" or "fa4") with num_splits=0. Never syncs."""
-    batch = q.shape[0] if isinstance(q, Tensor) and q.dim() == 4 and "cu_seqlens_q" not in options else 1
-    call = _Call(q, k, v, _as_blocks(blocks, block_size, batch, "blocks"), causal=False, softmax_scale=None,
-                 backend=backend, **options)
+    call = _call_to_choose_for(q, k, v, blocks, block_size, backend=backend, **options)
     return call.fa4_num_splits() if backend == "fa4" else call.num_splits()
 
 
@@ -461,10 +468,8 @@ def choose_backend(q: Tensor, k: Tensor, v: Tensor, blocks: BlockTable, block_si
     """(backend, why) that flash_attn_with_sparse_block_table would use for these arguments, or,
     given cu_seqlens_q, cu_seqlens_k, max_seqlen_q and max_seqlen_k as keywords,
     flash_attn_varlen_with_sparse_blocks. options also takes seqused_k and page_table. Never syncs."""
-    batch = q.shape[0] if isinstance(q, Tensor) and q.dim() == 4 and "cu_seqlens_q" not in options else 1
-    call = _Call(q, k, v, _as_blocks(blocks, block_size, batch, "blocks"), causal=False, softmax_scale=None,
-                 num_splits=num_splits, backend=backend, **options)
-    return call.backend()
+    return _call_to_choose_for(q, k, v, blocks, block_size, num_splits=num_splits, backend=backend,
+                               **options).backend()
 
 
 def flash_attn_sparse_partials(q: Tensor, k: Tensor, v: Tensor, block_groups: Sequence[BlockTable],
@@ -555,8 +560,8 @@ def flash_attn_speculative_sparse(q: Tensor, k_spec: Tensor, v_spec: Tensor, k: 
     page_table describe k and v (paged caches) as in flash_attn_with_sparse_block_table; k_spec
     and v_spec stay contiguous (batch, seqlen_spec, heads_k, head_dim).
 
-    Where the missed pass goes to FA-4 (backend as in flash_attn_with_sparse_block_table:
-    prefill-shaped calls), it runs there over every row, and the speculative pass only over the
+    Where the missed pass goes to FA-4 (backend="fa4", or "auto" at prefill, seqlen_q >= 128,
+    where auto would take FA-4; at decode auto keeps the one FA-2 launch), it runs there over every row, and the speculative pass only over the
     rows that see a speculative key (with causal_spec, the last seqlen_spec rows), merged into
     those rows. Otherwise, where the kernel allows (see _one_launch_refusal: k_spec/v_spec
     strided like k/v, a block size of at least one kernel tile, no mask lists in the missed
@@ -639,7 +644,7 @@ def flash_attn_speculative_sparse_zero_copy(q: Tensor, k: Tensor, v: Tensor, spe
     K/V (as "mask" blocks, so the diagonal gets the causal mask when causal_spec) and the missed
     set another ("full" blocks). One pass over both lists gives attention over their union.
     Both tables are 1-D int32 block-id tensors shared by every batch, head and query row.
-    backend as in flash_attn_with_sparse_block_table: prefill-shaped calls run on FA-4 as the
+    backend as in flash_attn_with_sparse_block_table: calls that auto sends to FA-4 run there as the
     union pass does."""
     batch = q.shape[0] if isinstance(q, Tensor) and q.dim() == 4 else 1
     for name, t in (("spec_block_table", spec_block_table), ("missed_block_table", missed_block_table)):
