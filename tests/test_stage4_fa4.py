@@ -342,6 +342,18 @@ def test_auto_routing():
     assert fas.choose_backend(q_decode, k_decode, v_decode, per_q_head)[0] == "fa2"
 
 
+def _speculative_sets(spec_ids, missed_ids, seqlen_q, seqlen_k, block, causal_spec):
+    """The speculative and missed tables on the GPU, and which keys each query row sees."""
+    spec = torch.tensor(spec_ids, dtype=torch.int32, device="cuda")
+    missed = torch.tensor(missed_ids, dtype=torch.int32, device="cuda")
+    visible = torch.zeros(seqlen_q, seqlen_k, dtype=torch.bool, device="cuda")
+    visible[:, block_positions(missed_ids, block, seqlen_k).cuda()] = True
+    spec_pos = block_positions(spec_ids, block, seqlen_k).cuda()
+    rows = torch.arange(seqlen_q, device="cuda")[:, None]
+    visible[:, spec_pos] = spec_pos[None, :] <= rows + seqlen_k - seqlen_q if causal_spec else True
+    return spec, missed, visible
+
+
 @pytest.mark.gpu
 @pytest.mark.sm90
 @pytest.mark.parametrize("causal_spec", [True, False])
@@ -357,13 +369,7 @@ def test_speculative_forms_run_on_fa4_at_prefill(causal_spec, monkeypatch):
     spec_start = seqlen_k // block - 4  # the speculative set: the last 4 blocks (every row's diagonal)
     spec_ids = list(range(spec_start, seqlen_k // block))[::-1]  # permuted
     missed_ids = random.Random(5).sample(range((seqlen_k - seqlen_q) // block), 12)  # gapped, historical for every row
-    spec = torch.tensor(spec_ids, dtype=torch.int32, device="cuda")
-    missed = torch.tensor(missed_ids, dtype=torch.int32, device="cuda")
-    visible = torch.zeros(seqlen_q, seqlen_k, dtype=torch.bool, device="cuda")
-    visible[:, block_positions(missed_ids, block, seqlen_k).cuda()] = True
-    spec_pos = block_positions(spec_ids, block, seqlen_k).cuda()
-    rows = torch.arange(seqlen_q, device="cuda")[:, None]
-    visible[:, spec_pos] = spec_pos[None, :] <= rows + seqlen_k - seqlen_q if causal_spec else True
+    spec, missed, visible = _speculative_sets(spec_ids, missed_ids, seqlen_q, seqlen_k, block, causal_spec)
     fa4_lists = []
     run_fa4 = fa4.run
     monkeypatch.setattr(fa4, "run", lambda q, k, v, blocks, **kw: fa4_lists.append(blocks) or run_fa4(q, k, v, blocks, **kw))
@@ -402,13 +408,7 @@ def test_speculative_forms_at_decode_with_fa4_present(monkeypatch):
     spec_start = seqlen_k // block - 2  # the speculative set: the last 2 blocks, causal
     spec_ids = [spec_start + 1, spec_start]
     missed_ids = random.Random(3).sample(range(spec_start), 9)
-    spec = torch.tensor(spec_ids, dtype=torch.int32, device="cuda")
-    missed = torch.tensor(missed_ids, dtype=torch.int32, device="cuda")
-    visible = torch.zeros(seqlen_q, seqlen_k, dtype=torch.bool, device="cuda")
-    visible[:, block_positions(missed_ids, block, seqlen_k).cuda()] = True
-    spec_pos = block_positions(spec_ids, block, seqlen_k).cuda()
-    rows = torch.arange(seqlen_q, device="cuda")[:, None]
-    visible[:, spec_pos] = spec_pos[None, :] <= rows + seqlen_k - seqlen_q
+    spec, missed, visible = _speculative_sets(spec_ids, missed_ids, seqlen_q, seqlen_k, block, causal_spec=True)
     fa4_calls = []
     run_fa4 = fa4.run
     monkeypatch.setattr(fa4, "run", lambda *a, **kw: fa4_calls.append(kw["num_splits"]) or run_fa4(*a, **kw))
