@@ -15,6 +15,8 @@
 # the branch's changed test files, copied into .carry/variants/BRANCH.tests/, replace main's for its tests;
 # VARIANT_TESTS="NAME ..." runs the tests of those variants only ("none": timing only; default all)),
 # sweep (profile_decode.py --split-sweep $SWEEP_ARGS: every split count at 1/4 and 1/16 beside the heuristic's pick),
+# profile-fa4 (the profile step's per-kernel times and split table on FA-4's SM90 kernel, then
+# ncu on that kernel at B8 Sq16 1/16; needs the CuTe-DSL runtime),
 # ncu-dense (counters of the sparse kernel with every block listed beside upstream's dense kernel),
 # ncu-source (that kernel's per-SASS-instruction counters and stall samples, for the hot spots),
 # ncu-spec (the same for the union pass and the one-launch speculative call at B8 Sq16 1/16, the
@@ -157,6 +159,15 @@ for s in $STEPS; do
             { echo "### ncu $target"; grep -E "^  [a-z_]+.*\(|Duration|DRAM Throughput|Memory Throughput|Achieved Occupancy|Theoretical Occupancy|Registers Per Thread|Block Limit|Waves Per SM|Grid Size|Dynamic Shared|Stall|Issue Slots|SM Busy|Executed Ipc|L2 Hit|Eligible Warps" "$LOGS/ncu-${target// /_}.txt"; } >> "$OUT/profile.txt"
         done
         note "profile: $(wc -l < "$OUT/profile.txt") lines in profile.txt" ;;
+    profile-fa4)
+        step profile-fa4
+        timeout 300 python3 benchmarks/profile_decode.py --backend fa4 > "$OUT/profile-fa4.txt" 2>&1
+        timeout 200 ncu --clock-control none -k regex:"FlashAttentionForwardSm90|FlashAttentionForwardCombine" --launch-skip 4 --launch-count 2 \
+            --section SpeedOfLight --section ComputeWorkloadAnalysis --section Occupancy --section LaunchStats --section WarpStateStats \
+            --section MemoryWorkloadAnalysis --section SchedulerStats \
+            python3 benchmarks/profile_decode.py --backend fa4 --ncu-target "B8 Sq16" > "$LOGS/ncu-fa4-B8_Sq16.txt" 2>&1
+        { echo "### ncu fa4 B8 Sq16"; grep -E "^  [a-zA-Z_]+.*\(|Duration|DRAM Throughput|Memory Throughput|Achieved Occupancy|Registers Per Thread|Grid Size|Dynamic Shared|Stall|SM Busy|Executed Ipc|L2 Hit|Eligible Warps" "$LOGS/ncu-fa4-B8_Sq16.txt"; } >> "$OUT/profile-fa4.txt"
+        note "profile-fa4: $(wc -l < "$OUT/profile-fa4.txt") lines in profile-fa4.txt" ;;
     sweep)
         step sweep
         timeout 300 python3 benchmarks/profile_decode.py --split-sweep ${SWEEP_ARGS:-} > "$OUT/sweep.txt" 2>&1

@@ -3,7 +3,7 @@ bytes (fixed cost + bytes / bandwidth) per split count, on the decode shapes of 
 then each shape with every block listed beside upstream's dense FA-2 call. Sparse calls rotate
 through four list sets, as bench_sparse's do, so their blocks come from HBM and not from L2.
 
-    python benchmarks/profile_decode.py [--shapes "B8 Sq16"] [--ncu-target "B8 Sq16"] [--split-sweep]
+    python benchmarks/profile_decode.py [--shapes "B8 Sq16"] [--ncu-target "B8 Sq16"] [--split-sweep] [--backend fa4]
 
 --split-sweep times each split count on the 1/4 and 1/16 lists of the shapes instead, beside
 the heuristic's pick (num_splits=0), to check the heuristic against the measured best.
@@ -12,6 +12,9 @@ the heuristic's pick (num_splits=0), to check the heuristic against the measured
 `ncu -k regex:flash_fwd_sparse ...` to profile (no graphs, no sweep); with --ncu-speculative,
 the union pass and the one-launch speculative call alternate (union first), so that launches
 2 and 3 are one of each.
+
+--backend fa4 profiles the sparse calls on flash-attn-4's SM90 kernel instead (the speculative
+rows stay FA-2's; ncu then needs `-k regex:FlashAttentionForwardSm90`).
 """
 
 import argparse
@@ -40,7 +43,9 @@ def timed(fn):
 
 
 def short(name: str) -> str:
-    for key in ("flash_fwd_sparse_kernel", "flash_sparse_combine_kernel", "flash_fwd_splitkv_combine_kernel", "fill", "arange", "copy", "pad", "cat"):
+    for key in ("flash_fwd_sparse_kernel", "flash_sparse_combine_kernel", "flash_fwd_splitkv_combine_kernel",
+                "FlashAttentionForwardSm90", "FlashAttentionForwardCombine", "adapt_rows", "fill", "arange", "copy",
+                "pad", "cat"):
         if key in name:
             return key
     return name[:40]
@@ -74,14 +79,14 @@ def describe(breakdown) -> str:
     return ", ".join(parts)
 
 
-def profile_shape(shape):
+def profile_shape(shape, backend: str = "fa2"):
     q, k, v = random_inputs(shape)
     list_sets = rotated_list_sets(shape)
     blocks = [to_blocks(lists, shape) for lists in list_sets]
     n_blocks = shape.seqlen_k // BLOCK
     methods = {
-        "fa2_sparse": rotating_sparse_call(q, k, v, blocks, backend="fa2"),
-        "fa2_sparse splits=1": rotating_sparse_call(q, k, v, blocks, backend="fa2", num_splits=1),
+        f"{backend}_sparse": rotating_sparse_call(q, k, v, blocks, backend=backend),
+        f"{backend}_sparse splits=1": rotating_sparse_call(q, k, v, blocks, backend=backend, num_splits=1),
         **speculative_calls(shape, q, k, v, list_sets, backend="fa2"),
     }
     print(f"## {shape.name} at 1/16: graph ms and kernels of one call (plain launches, us)")
@@ -99,7 +104,7 @@ def profile_shape(shape):
         for n in LIST_LENGTHS:
             tables = [torch.tensor(sorted(random.Random(r).sample(range(n_blocks), n)), dtype=torch.int32, device="cuda")
                       for r in range(ROTATIONS)]
-            ms = timed(rotating_sparse_call(q, k, v, tables, backend="fa2", num_splits=splits))
+            ms = timed(rotating_sparse_call(q, k, v, tables, backend=backend, num_splits=splits))
             row.append(1e3 * ms)
         xs = [n * bytes_per_block for n in LIST_LENGTHS[3:]]  # fit on 4+ blocks: past the one-tile regime
         ys = row[3:]
@@ -110,24 +115,24 @@ def profile_shape(shape):
         print(f"{label} | " + " | ".join(f"{t:.1f}" for t in row) + f" | {fixed:.1f} | {1e-6 / slope:.2f}", flush=True)
 
 
-def split_sweep(shape, max_splits: int = 32):
+def split_sweep(shape, max_splits: int = 32, backend: str = "fa2"):
     """Graph us of the call at each split count; the heuristic's pick is num_splits=0."""
     q, k, v = random_inputs(shape)
     blocks = [to_blocks(lists, shape) for lists in rotated_list_sets(shape)]
-    times = {splits: 1e3 * timed(rotating_sparse_call(q, k, v, blocks, backend="fa2", num_splits=splits))
+    times = {splits: 1e3 * timed(rotating_sparse_call(q, k, v, blocks, backend=backend, num_splits=splits))
              for splits in range(max_splits + 1)}
     best = min(range(1, max_splits + 1), key=times.get)
     print(f"## {shape.name} at 1/{round(1 / shape.density)}: graph us per split count; auto {times[0]:.1f}, best {best} splits {times[best]:.1f}")
     print(" | ".join(f"{splits}: {us:.1f}" for splits, us in times.items() if splits), flush=True)
 
 
-def profile_dense(shape):
+def profile_dense(shape, backend: str = "fa2"):
     """Every block listed vs upstream's dense FA-2 on the same shape: the sparse kernel's own cost."""
     from flash_attn import flash_attn_func
     q, k, v = random_inputs(shape)
     blocks = to_blocks(make_lists(shape, random.Random(0)), shape)
     print(f"## {shape.name}, every block listed: graph us and kernels of one call (plain launches, us)")
-    for name, fn in {"fa2_sparse": lambda: fas.flash_attn_with_sparse_block_table(q, k, v, blocks, backend="fa2"),
+    for name, fn in {f"{backend}_sparse": lambda: fas.flash_attn_with_sparse_block_table(q, k, v, blocks, backend=backend),
                      "upstream flash_attn_func": lambda: flash_attn_func(q, k, v)}.items():
         ms = timed(fn)
         kernels = kernel_breakdown(fn)
@@ -145,6 +150,7 @@ def main():
                         help="with --ncu-target: 3 x (union pass, speculative call) at 1/16")
     parser.add_argument("--split-sweep", action="store_true", help="only the split-count sweep at 1/4 and 1/16")
     parser.add_argument("--max-splits", type=int, default=32, help="the sweep's largest split count")
+    parser.add_argument("--backend", choices=("fa2", "fa4"), default="fa2", help="the sparse calls' backend")
     args = parser.parse_args()
     sixteenth = [s for s in DECODE if s.density == 1 / 16]
     if args.ncu_target:
@@ -161,7 +167,7 @@ def main():
             return
         blocks = to_blocks(lists, shape)
         for _ in range(3 if args.ncu_dense else 5):
-            fas.flash_attn_with_sparse_block_table(q, k, v, blocks, backend="fa2")
+            fas.flash_attn_with_sparse_block_table(q, k, v, blocks, backend=args.backend)
         if args.ncu_dense:
             from flash_attn import flash_attn_func
             for _ in range(3):
@@ -174,14 +180,14 @@ def main():
     wanted = lambda shape: any(part.strip() in shape.name for part in args.shapes.split(","))
     if args.split_sweep:
         for shape in filter(wanted, (s for s in DECODE if s.density < 1)):
-            split_sweep(shape, args.max_splits)
+            split_sweep(shape, args.max_splits, args.backend)
         return
     for shape in sixteenth:
         if wanted(shape):
-            profile_shape(shape)
+            profile_shape(shape, args.backend)
     for shape in DECODE:
         if shape.density == 1.0 and wanted(shape):
-            profile_dense(shape)
+            profile_dense(shape, args.backend)
 
 
 if __name__ == "__main__":
