@@ -24,7 +24,6 @@ BACKENDS = ("auto", "fa2", "fa4")
 # ahead at 64 tiles, FA-4 at 128; stages/stage4.md).
 FA4_MIN_TILE_ROWS = 64
 FA4_MIN_QUERY_ROWS = 128
-FA4_TILE_ROWS = 128
 FA4_MIN_SM_SHARE = 0.75
 
 logger = logging.getLogger("flash_attn_sparse")
@@ -368,19 +367,19 @@ class _Call:
         if not self.varlen:  # both backends split the lists: FA-4 wherever its tiles are half full
             rows = fa4.rows_per_tile(self.q, self.k, self.blocks, max_seqlen_q=self.max_seqlen_q)
             if rows < FA4_MIN_TILE_ROWS:
-                return "fa2", f"{rows} query rows per FA-4 tile of {FA4_TILE_ROWS}: FA-2's smaller tiles"
-            return "fa4", f"{rows} query rows per FA-4 tile, {self.fa4_num_splits()} splits"
+                return "fa2", f"{rows} query rows per FA-4 tile of {fa4.TILE_ROWS}: FA-2's smaller tiles"
+            return "fa4", f"{rows} query rows per FA-4 tile of {fa4.TILE_ROWS}"
         if self.requested_splits > 1:
             return "fa2", "split-KV requested (FA-4 splits fixed-length calls only)"
         if self.max_seqlen_q < FA4_MIN_QUERY_ROWS:
             return "fa2", f"max_seqlen_q {self.max_seqlen_q} < {FA4_MIN_QUERY_ROWS}: decode-shaped, FA-2 splits the list"
         # Varlen: the tiles of an average sequence (total_q / batch) stand for each sequence's.
         rows = self.q.shape[0] / max(self.batch, 1) if self.varlen else self.max_seqlen_q
-        ctas = self.batch * self.q.shape[-2] * math.ceil(rows / FA4_TILE_ROWS)
+        ctas = self.batch * self.q.shape[-2] * math.ceil(rows / fa4.TILE_ROWS)
         sms = _num_sms(self.q.device.index or 0)
         if ctas < FA4_MIN_SM_SHARE * sms:
             return "fa2", f"{ctas} FA-4 tiles for {sms} SMs: FA-2 splits the list to fill the GPU"
-        return "fa4", f"{ctas} FA-4 tiles of {FA4_TILE_ROWS} rows for {sms} SMs"
+        return "fa4", f"{ctas} FA-4 tiles of {fa4.TILE_ROWS} rows for {sms} SMs"
 
     def run(self) -> Tuple[Tensor, Tensor]:
         backend, why = self.backend()
