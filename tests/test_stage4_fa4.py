@@ -105,9 +105,10 @@ def adapter_matches_reference(device: str, trials: int = 40) -> str:
                             for _ in range(batch)], dtype=torch.int32)
         m_blocks, tail_partial = rng.randint(1, m_in), rng.random() < 0.5
         ref_cnt, ref_idx = fa4._batched_lists(cnt, idx, m_blocks, n)
-        new_cnt, new_idx = fa4._batched_lists_triton(cnt.to(device), idx.to(device), m_blocks, n, tail_partial)
+        new_cnt, new_idx, empty = fa4._batched_lists_triton(cnt.to(device), idx.to(device), m_blocks, n, tail_partial,
+                                                            empty_counts=True)
         new_cnt, new_idx = new_cnt.cpu(), new_idx.cpu()
-        assert torch.equal(new_cnt, ref_cnt)
+        assert torch.equal(new_cnt, ref_cnt) and torch.equal(empty.cpu(), torch.zeros_like(ref_cnt))
         for r, (count, row) in enumerate(zip(new_cnt.flatten().tolist(), new_idx.view(-1, new_idx.shape[-1]))):
             assert sorted(row[:count].tolist()) == ref_idx.view(-1, ref_idx.shape[-1])[r, :count].tolist()
             if tail_partial and n - 1 in row[:count].tolist():

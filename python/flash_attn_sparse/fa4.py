@@ -107,9 +107,9 @@ def _adapt_rows_kernel():
     import triton.language as tl
 
     @triton.jit
-    def adapt_rows(cnt_ptr, idx_ptr, cnt_out_ptr, idx_out_ptr, heads, m_blocks, width, n_blocks, tail_id,
-                   stride_cb, stride_ch, stride_cm, stride_ib, stride_ih, stride_im, stride_in,
-                   BLOCK: tl.constexpr):
+    def adapt_rows(cnt_ptr, idx_ptr, cnt_out_ptr, idx_out_ptr, empty_cnt_ptr, heads, m_blocks, width, n_blocks,
+                   tail_id, stride_cb, stride_ch, stride_cm, stride_ib, stride_ih, stride_im, stride_in,
+                   BLOCK: tl.constexpr, WRITE_EMPTY: tl.constexpr):
         row = tl.program_id(0)  # one (batch, head, query tile) row per program
         m = row % m_blocks
         h = (row // m_blocks) % heads
@@ -131,29 +131,36 @@ def _adapt_rows_kernel():
                        tl.where(first_tail, count - 1, count + tl.cumsum(dropped.to(tl.int32), 0) - 1))
         tl.store(idx_out_ptr + row * width + pos, tl.where(kept, ids, 2147483647), mask=in_row)
         tl.store(cnt_out_ptr + row, count)
+        if WRITE_EMPTY:  # the zero counts of empty mask lists, in the same launch
+            tl.store(empty_cnt_ptr + row, 0)
 
     return adapt_rows
 
 
-def _batched_lists_triton(cnt: Tensor, idx: Tensor, m_blocks: int, n_blocks: int, tail_partial: bool
-                          ) -> Tuple[Tensor, Tensor]:
+def _batched_lists_triton(cnt: Tensor, idx: Tensor, m_blocks: int, n_blocks: int, tail_partial: bool,
+                          empty_counts: bool = False) -> Tuple[Tensor, Tensor, Optional[Tensor]]:
     """_batched_lists in one launch: each row's valid entries in their order, the partial tail
     block (if tail_partial) moved last, then the dropped ones as int32 max. The same entries and
     counts as the sorted reference, without a sort (its several launches cost more than the
-    decode kernel's listed reads at 1/16, run 52)."""
+    decode kernel's listed reads at 1/16, run 52). With empty_counts, also zero counts of the
+    same shape (the empty mask lists flash-attn-4 requires), else None."""
     import triton
     batch, heads = cnt.shape[0], cnt.shape[1]
     m_blocks = min(m_blocks, cnt.shape[2])
     width = min(idx.shape[-1], n_blocks)
     cnt_out = torch.empty(batch, heads, m_blocks, dtype=torch.int32, device=cnt.device)
     idx_out = torch.empty(batch, heads, m_blocks, width, dtype=torch.int32, device=idx.device)
+    empty = torch.empty_like(cnt_out) if empty_counts else None
     if cnt_out.numel() and width:
         _adapt_rows_kernel()[(cnt_out.numel(),)](
-            cnt, idx, cnt_out, idx_out, heads, m_blocks, width, n_blocks, n_blocks - 1 if tail_partial else -1,
-            *cnt.stride()[:3], *idx.stride(), BLOCK=triton.next_power_of_2(width))
+            cnt, idx, cnt_out, idx_out, empty if empty_counts else cnt_out, heads, m_blocks, width, n_blocks,
+            n_blocks - 1 if tail_partial else -1, *cnt.stride()[:3], *idx.stride(),
+            BLOCK=triton.next_power_of_2(width), WRITE_EMPTY=empty_counts)
     elif cnt_out.numel():
         cnt_out.zero_()
-    return cnt_out, idx_out
+        if empty_counts:
+            empty.zero_()
+    return cnt_out, idx_out, empty
 
 
 @dataclass(frozen=True)
@@ -226,21 +233,26 @@ def block_sparse_tensors(blocks: SparseBlocks, *, batch: int, max_seqlen_q: int,
     """flash-attn-4's BlockSparseTensorsTorch for these lists, under its contract (module doc)."""
     from .builders import to_cute_block_sparse_tensors
     q_block = blocks.resolved_q_block_size(max_seqlen_q)
+    one_launch = not blocks.is_varlen and blocks.full_idx.is_cuda
     if blocks.is_varlen:
         seqlens_k = seqused_k if seqused_k is not None else cu_seqlens_k[1:] - cu_seqlens_k[:-1]
         rows = _VarlenRows.of(blocks, seqlens_k, max_seqlen_k)
         adapt = lambda cnt, idx: _varlen_lists(cnt, idx, rows)
     else:
         m_blocks, n_blocks = cdiv(max_seqlen_q, q_block), cdiv(max_seqlen_k, blocks.block_size)
-        if blocks.full_idx.is_cuda:
-            tail_partial = max_seqlen_k % blocks.block_size != 0
-            adapt = lambda cnt, idx: _batched_lists_triton(cnt, idx, m_blocks, n_blocks, tail_partial)
-        else:
-            adapt = lambda cnt, idx: _batched_lists(cnt, idx, m_blocks, n_blocks)
+        tail_partial = max_seqlen_k % blocks.block_size != 0
+        triton_adapt = functools.partial(_batched_lists_triton, m_blocks=m_blocks, n_blocks=n_blocks, tail_partial=tail_partial)
+        adapt = (lambda cnt, idx: triton_adapt(cnt, idx)[:2]) if one_launch else \
+            (lambda cnt, idx: _batched_lists(cnt, idx, m_blocks, n_blocks))
 
-    full_cnt, full_idx = adapt(blocks.full_cnt, blocks.full_idx)
-    mask_cnt, mask_idx = adapt(blocks.mask_cnt, blocks.mask_idx) if blocks.mask_cnt is not None else (None, None)
-    if mask_cnt is None:  # its kernels need mask lists: empty ones, whose ids are never read
+    if blocks.mask_cnt is not None:
+        full_cnt, full_idx = adapt(blocks.full_cnt, blocks.full_idx)
+        mask_cnt, mask_idx = adapt(blocks.mask_cnt, blocks.mask_idx)
+    elif one_launch:  # its kernels need mask lists: empty ones, their zero counts from the same launch
+        full_cnt, full_idx, mask_cnt = triton_adapt(blocks.full_cnt, blocks.full_idx, empty_counts=True)
+        mask_idx = full_idx
+    else:  # empty mask lists, whose ids are never read
+        full_cnt, full_idx = adapt(blocks.full_cnt, blocks.full_idx)
         mask_cnt, mask_idx = torch.zeros_like(full_cnt), full_idx
     return to_cute_block_sparse_tensors(SparseBlocks(
         full_cnt, full_idx, mask_cnt, mask_idx, block_size=blocks.block_size, q_block_size=q_block,
