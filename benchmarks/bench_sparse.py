@@ -263,8 +263,10 @@ def bench_shape(shape, roofline, rows, methods):
         # flash-attn-4's kernel called directly on lists already in its form, at the API's split
         # count: the floor of the fa4 backend, whose API call adds the list adapter (sort, range check).
         cute = fas.fa4.import_cute("interface")
+        small = fas.fa4.small_tile(q, k, blocks[0], max_seqlen_q=shape.seqlen_q)
         tensors = [fas.fa4.block_sparse_tensors(b, batch=shape.batch, max_seqlen_q=shape.seqlen_q,
-                                                max_seqlen_k=shape.seqlen_k) for b in blocks]
+                                                max_seqlen_k=shape.seqlen_k,
+                                                q_block_size=fas.fa4.SMALL_TILE_ROWS if small else None) for b in blocks]
         splits = fas.choose_num_splits_for(q, k, v, blocks[0], backend="fa4")
         add("fa4_direct", rotating([lambda t=t: cute.flash_attn_func(q, k, v, causal=shape.causal, block_sparse_tensors=t,
                                                                      return_lse=True, num_splits=splits) for t in tensors]),

@@ -94,17 +94,25 @@ def compile_case(name: str) -> str:
             tensors = BlockSparseTensorsTorch(counts(), ids(), counts(), ids(), block_size=(128, block))
             out, lse = interface.flash_attn_func(q, k, torch.empty_like(k), block_sparse_tensors=tensors,
                                                  return_lse=True, num_splits=3)
+        elif name == "decode_split_kv_tile64":  # the one-warpgroup tile that fa4.small_tile picks (64-row query blocks)
+            batch, seqlen_q, seqlen_k, block = 4, 1, 8192, 128
+            q, k = empty(batch, seqlen_q, heads, dim), empty(batch, seqlen_k, heads_k, dim)
+            counts = lambda: empty(batch, heads_k, 1, dtype=torch.int32)
+            ids = lambda: empty(batch, heads_k, 1, seqlen_k // block, dtype=torch.int32)
+            tensors = BlockSparseTensorsTorch(counts(), ids(), counts(), ids(), block_size=(64, block))
+            out, lse = interface.flash_attn_func(q, k, torch.empty_like(k), block_sparse_tensors=tensors,
+                                                 return_lse=True, num_splits=3)
         else:
             raise ValueError(name)
     compiled = interface._flash_attn_fwd.compile_cache.cache
     if len(compiled) != 1 or not next(iter(compiled.values())).has_gpu_module:
         raise RuntimeError(f"expected one compiled SM90 kernel with a GPU module, got {compiled!r}")
-    if name == "decode_split_kv" and not interface._flash_attn_fwd_combine.compile_cache.cache:
+    if name.startswith("decode_split_kv") and not interface._flash_attn_fwd_combine.compile_cache.cache:
         raise RuntimeError("the split partials were not combined")
     return f"compiled {name}: out {tuple(out.shape)}, lse {tuple(lse.shape)}"
 
 
-@pytest.mark.parametrize("case", ["batched_causal_128", "varlen_block_64", "decode_split_kv"])
+@pytest.mark.parametrize("case", ["batched_causal_128", "varlen_block_64", "decode_split_kv", "decode_split_kv_tile64"])
 def test_sm90_block_sparse_forward_compiles_without_a_gpu(patched_fa4: Path, case: str):
     env = {**os.environ, **CROSS_COMPILE_ENV,
            "PYTHONPATH": os.pathsep.join([str(patched_fa4), str(REPO / "tests"), os.environ.get("PYTHONPATH", "")])}

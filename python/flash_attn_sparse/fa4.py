@@ -39,6 +39,7 @@ BLOCK_SIZES = (64, 128)
 VARLEN_Q_BLOCK_SIZES = (64, 128)
 MAX_HEAD_DIM = 128
 TILE_ROWS = 128  # query rows of its SM90 tile at these head dims
+SMALL_TILE_ROWS = 64  # ... or of its one-warpgroup tile, which decode calls take (small_tile)
 SPLIT_KV_UNSUPPORTED = ("split-KV runs on fixed-length calls only (varlen splits would need the per-sequence "
                         "split counts of flash-attn-4's varlen scheduler, which its SM90 kernel does not read)")
 _PAST_EVERY_ID = torch.iinfo(torch.int32).max
@@ -229,10 +230,12 @@ def _varlen_lists(cnt: Tensor, idx: Tensor, rows: _VarlenRows) -> Tuple[Tensor, 
 
 def block_sparse_tensors(blocks: SparseBlocks, *, batch: int, max_seqlen_q: int,
                          max_seqlen_k: int, cu_seqlens_k: Optional[Tensor] = None,
-                         seqused_k: Optional[Tensor] = None):
-    """flash-attn-4's BlockSparseTensorsTorch for these lists, under its contract (module doc)."""
+                         seqused_k: Optional[Tensor] = None, q_block_size: Optional[int] = None):
+    """flash-attn-4's BlockSparseTensorsTorch for these lists, under its contract (module doc).
+    q_block_size overrides the lists' query tile as flash-attn-4 sees it (its SM90 tile_m
+    follows it): 64 for calls whose queries fit one 64-row tile."""
     from .builders import to_cute_block_sparse_tensors
-    q_block = blocks.resolved_q_block_size(max_seqlen_q)
+    q_block = q_block_size or blocks.resolved_q_block_size(max_seqlen_q)
     one_launch = not blocks.is_varlen and blocks.full_idx.is_cuda
     if blocks.is_varlen:
         seqlens_k = seqused_k if seqused_k is not None else cu_seqlens_k[1:] - cu_seqlens_k[:-1]
@@ -280,14 +283,23 @@ def rows_per_tile(q: Tensor, k: Tensor, blocks: SparseBlocks, *, max_seqlen_q: i
     return min(TILE_ROWS, max_seqlen_q * _packed(q, k, blocks)[1])
 
 
+def small_tile(q: Tensor, k: Tensor, blocks: SparseBlocks, *, max_seqlen_q: int) -> bool:
+    """Whether a fixed-length call runs 64-row tiles (one consumer warpgroup): its packed query
+    rows fit 64, so a 128-row tile would compute at least half of its WGMMA rows for nothing."""
+    return not blocks.is_varlen and max_seqlen_q <= SMALL_TILE_ROWS and \
+        rows_per_tile(q, k, blocks, max_seqlen_q=max_seqlen_q) <= SMALL_TILE_ROWS
+
+
 def run(q: Tensor, k: Tensor, v: Tensor, blocks: SparseBlocks, *, softmax_scale: float, causal: bool,
         batch: int, max_seqlen_q: int, max_seqlen_k: int, cu_seqlens_q: Optional[Tensor] = None,
         cu_seqlens_k: Optional[Tensor] = None, seqused_k: Optional[Tensor] = None,
         num_splits: int = 1) -> Tuple[Tensor, Tensor]:
     """The sparse forward on flash-attn-4's SM90 kernel. Returns (out, lse) as the FA-2 path does."""
     interface = import_cute("interface")
-    tensors = block_sparse_tensors(blocks, batch=batch, max_seqlen_q=max_seqlen_q,
-                                   max_seqlen_k=max_seqlen_k, cu_seqlens_k=cu_seqlens_k, seqused_k=seqused_k)
+    small = small_tile(q, k, blocks, max_seqlen_q=max_seqlen_q)
+    tensors = block_sparse_tensors(blocks, batch=batch, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k,
+                                   cu_seqlens_k=cu_seqlens_k, seqused_k=seqused_k,
+                                   q_block_size=SMALL_TILE_ROWS if small else None)
     if blocks.is_varlen:
         out, lse = interface.flash_attn_varlen_func(
             q, k, v, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q,
