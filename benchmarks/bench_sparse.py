@@ -261,16 +261,18 @@ def bench_shape(shape, roofline, rows, methods):
         add("auto", ours("auto"), f"chose {fas.choose_backend(q, k, v, blocks[0])[0]}")
     if "fa4_direct" in methods and not fa4_missing:
         # flash-attn-4's kernel called directly on lists already in its form, at the API's split
-        # count: the floor of the fa4 backend, whose API call adds the list adapter (sort, range check).
+        # count: the floor of the fa4 backend, whose API call adds the list adapter. Where the API
+        # takes the 64-row tile (fa4.small_tile), the 128-row tile runs too, for the same-run ratio.
         cute = fas.fa4.import_cute("interface")
-        small = fas.fa4.small_tile(q, k, blocks[0], max_seqlen_q=shape.seqlen_q)
-        tensors = [fas.fa4.block_sparse_tensors(b, batch=shape.batch, max_seqlen_q=shape.seqlen_q,
-                                                max_seqlen_k=shape.seqlen_k,
-                                                q_block_size=fas.fa4.SMALL_TILE_ROWS if small else None) for b in blocks]
         splits = fas.choose_num_splits_for(q, k, v, blocks[0], backend="fa4")
-        add("fa4_direct", rotating([lambda t=t: cute.flash_attn_func(q, k, v, causal=shape.causal, block_sparse_tensors=t,
-                                                                     return_lse=True, num_splits=splits) for t in tensors]),
-            f"CuTe-DSL kernel, lists pre-adapted, {splits} splits")
+        small = fas.fa4.small_tile(q, k, blocks[0], max_seqlen_q=shape.seqlen_q)
+        for name, tile in (("fa4_direct", fas.fa4.SMALL_TILE_ROWS if small else None),) + \
+                ((("fa4_direct tile128", None),) if small else ()):
+            tensors = [fas.fa4.block_sparse_tensors(b, batch=shape.batch, max_seqlen_q=shape.seqlen_q,
+                                                    max_seqlen_k=shape.seqlen_k, q_block_size=tile) for b in blocks]
+            add(name, rotating([lambda t=t: cute.flash_attn_func(q, k, v, causal=shape.causal, block_sparse_tensors=t,
+                                                                 return_lse=True, num_splits=splits) for t in tensors]),
+                f"CuTe-DSL kernel, lists pre-adapted, {tile or '128'}-row tiles, {splits} splits")
     if "speculative" in methods and shape.density < 1:
         # The same union of blocks as a speculative set (the last 4 blocks, "mask" blocks) plus
         # the missed set, one pass (zero-copy form) and two passes + combine (gathered form).
