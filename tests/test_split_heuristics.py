@@ -1,4 +1,4 @@
-"""Split-count choices of the FA-2 path (pure functions, CPU)."""
+"""Split-count choices of the FA-2 path and of the FA-4 backend's cost model (pure functions, CPU)."""
 
 import re
 from pathlib import Path
@@ -66,3 +66,32 @@ def test_decode_tile_constants_match_the_kernel_rule():
     assert constants == {"kSparseDecodeBlockM": interface.DECODE_KERNEL_ROWS,
                          "kSparseDecodeMinListKeys": interface.DECODE_MIN_LIST_KEYS,
                          "kSparseDecodeMinTotalKeys": interface.DECODE_MIN_TOTAL_KEYS}
+
+
+def _fa4_work(tiles, list_blocks, batch, seqlen_q, tile_rows):
+    """FA-4's split inputs for H32 d128 bf16 with 128-key blocks on 132 SMs (fa4_num_splits)."""
+    return dict(tiles=tiles, list_blocks=list_blocks, block_bytes=2 * 128 * 128 * 2, block_flops=4 * tile_rows * 128 * 128,
+                partial_bytes=batch * seqlen_q * 32 * 129 * 4, num_sms=132)
+
+
+@pytest.mark.parametrize("tiles,list_blocks,batch,seqlen_q,tile_rows,expected", [
+    (64, 16, 8, 16, 64, 1),      # B8 Sq16 1/16: one split 23.6 us, two 27.5 (run 55 sweep)
+    (64, 64, 8, 16, 64, 1),      # 70.9 vs 73.6 us
+    (64, 256, 8, 16, 64, 2),     # every block listed: two splits 254.9 vs 268.1 us
+    (64, 16, 8, 1, 64, 1),       # B8 Sq1 1/16: 23.1 vs 24.9 us
+    (256, 64, 1, 4096, 128, 1),  # prefill-sized: the tiles already fill the GPU
+    (64, 256, 1, 1024, 128, 2),  # half the SMs busy with compute-bound 128-row tiles: split
+])
+def test_fa4_split_model_picks_what_run_55_measured_fastest(tiles, list_blocks, batch, seqlen_q, tile_rows, expected):
+    from flash_attn_sparse import fa4
+    assert fa4.choose_num_splits(max_splits=128, **_fa4_work(tiles, list_blocks, batch, seqlen_q, tile_rows)) == expected
+
+
+def test_fa4_split_model_splits_few_tiles_until_the_chain_stops_paying():
+    """B1 decode (8 tiles): one split walks the whole list at one CTA's rate (64.8 us for 64
+    blocks in run 55, 10.5-17.6 with 8-16 splits); splits stop where the merge costs more than
+    the shorter chain, and never exceed the blocks listed."""
+    from flash_attn_sparse import fa4
+    picks = {blocks: fa4.choose_num_splits(max_splits=128, **_fa4_work(8, blocks, 1, 1, 64)) for blocks in (1, 4, 16, 64, 256)}
+    assert picks[1] == 1 and all(picks[b] <= b for b in picks)
+    assert all(8 <= picks[b] <= 16 for b in (16, 64, 256)), picks

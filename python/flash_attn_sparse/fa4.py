@@ -283,6 +283,41 @@ def rows_per_tile(q: Tensor, k: Tensor, blocks: SparseBlocks, *, max_seqlen_q: i
     return min(TILE_ROWS, max_seqlen_q * _packed(q, k, blocks)[1])
 
 
+# FA-4's split-KV cost model, fitted to run 55's sweep (H200, graph time against blocks per list
+# for 1-8 splits at B8 and B1 decode, benchmarks/profile_decode.py --backend fa4): one CTA walks
+# its list at ~66 GB/s (one 128-key K/V block pair of d128 per ~1 us, whatever the CTA count up to
+# ~64), all CTAs together at ~4.4 TB/s, and splitting costs the combine launch plus the fp32
+# partials written and read. A CTA's block also takes its tile's matmuls at about the per-SM
+# share of flash-attn-4's dense prefill rate (652 TFLOP/s / 132 SMs, DESIGN 7): 1.7 us for a
+# 128-row tile, more than its bytes, so query tiles of a few hundred rows still split.
+# Upstream's wave heuristic split B8 Sq16 1/16 in two, 27.5 us where one split takes 23.6: 64
+# CTAs already stream at full bandwidth there, so the merge was pure cost.
+CTA_READ_BYTES_PER_US = 66e3
+CTA_FLOP_PER_US = 4.9e6
+HBM_READ_BYTES_PER_US = 4.4e6
+SPLIT_MERGE_US = 3.5
+
+
+def split_time_us(splits: int, *, tiles: int, list_blocks: int, block_bytes: int, block_flops: int,
+                  partial_bytes: int, num_sms: int) -> float:
+    """Modelled time of `splits` splits: the longer of one CTA's chain of blocks (each its bytes
+    or its tile's matmuls, in waves of one CTA per SM) and all listed bytes at full bandwidth,
+    plus the merge when split."""
+    waves = cdiv(tiles * splits, num_sms)
+    per_block = max(block_bytes / CTA_READ_BYTES_PER_US, block_flops / CTA_FLOP_PER_US)
+    chain = waves * cdiv(list_blocks, splits) * per_block
+    stream = tiles * list_blocks * block_bytes / HBM_READ_BYTES_PER_US
+    merge = 0.0 if splits == 1 else SPLIT_MERGE_US + 2 * splits * partial_bytes / HBM_READ_BYTES_PER_US
+    return max(chain, stream) + merge
+
+
+def choose_num_splits(*, max_splits: int, list_blocks: int, **work) -> int:
+    """The split count of least modelled time (split_time_us over `work`), the fewest on a tie;
+    at most one split per listed block."""
+    candidates = range(1, max(1, min(max_splits, list_blocks)) + 1)
+    return min(candidates, key=lambda s: (split_time_us(s, list_blocks=list_blocks, **work), s))
+
+
 def small_tile(q: Tensor, k: Tensor, blocks: SparseBlocks, *, max_seqlen_q: int) -> bool:
     """Whether a fixed-length call runs 64-row tiles (one consumer warpgroup): its packed query
     rows fit 64, so a 128-row tile would compute at least half of its WGMMA rows for nothing."""

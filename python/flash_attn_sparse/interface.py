@@ -334,14 +334,20 @@ class _Call:
         return choose_num_splits(*self.split_work())
 
     def fa4_num_splits(self) -> int:
-        """The requested split count, or for 0 the same heuristic over FA-4's tiles: one CTA per
-        SM (its SM90 tile takes most of the shared memory), one list entry per kernel tile."""
+        """The requested split count, or for 0 the least modelled time (fa4.choose_num_splits)
+        over FA-4's tiles, the longest list and the fp32 partials of one split."""
         if self.varlen:
             return 1  # see fa4.SPLIT_KV_UNSUPPORTED
         if self.requested_splits:
             return self.requested_splits
-        ctas = fa4.tiles(self.q, self.k, self.blocks, batch=self.batch, max_seqlen_q=self.max_seqlen_q)
-        return choose_num_splits(ctas, _num_sms(self.q.device.index or 0), max(self.max_list_length(), 1))
+        head_dim, element, block = self.q.shape[-1], self.q.element_size(), self.blocks.block_size
+        small = fa4.small_tile(self.q, self.k, self.blocks, max_seqlen_q=self.max_seqlen_q)
+        return fa4.choose_num_splits(
+            tiles=fa4.tiles(self.q, self.k, self.blocks, batch=self.batch, max_seqlen_q=self.max_seqlen_q),
+            list_blocks=max(self.max_list_length(), 1), block_bytes=2 * block * head_dim * element,
+            block_flops=4 * (fa4.SMALL_TILE_ROWS if small else fa4.TILE_ROWS) * block * head_dim,
+            partial_bytes=self.batch * self.max_seqlen_q * self.q.shape[-2] * (head_dim + 1) * 4,
+            num_sms=_num_sms(self.q.device.index or 0), max_splits=MAX_SPLITS)
 
     def backend(self) -> Tuple[str, str]:
         """(backend, why): the requested one, or auto's choice. A requested "fa4" that cannot
