@@ -273,7 +273,8 @@ def _packed(q: Tensor, k: Tensor, blocks: SparseBlocks) -> Tuple[int, int]:
 
 
 def tiles(q: Tensor, k: Tensor, blocks: SparseBlocks, *, batch: int, max_seqlen_q: int) -> int:
-    """CTAs of one split: 128-row tiles of each sequence's (packed) query rows."""
+    """CTAs of one split: 128-row tiles of each sequence's (packed) query rows (a call that takes
+    64-row tiles, small_tile, fits one either way)."""
     tile_heads, group = _packed(q, k, blocks)
     return batch * tile_heads * cdiv(max_seqlen_q * group, TILE_ROWS)
 
