@@ -267,7 +267,8 @@ def bench_shape(shape, roofline, rows, methods):
         add("auto", ours("auto"), f"chose {fas.choose_backend(q, k, v, blocks[0])[0]}")
     if "fa4_direct" in methods and not fa4_missing:
         # flash-attn-4's kernel called directly on lists already in its form, at the API's split
-        # count: the floor of the fa4 backend, whose API call adds the list adapter. Where the API
+        # count: the floor of the fa4 backend, whose API call adds its Python (the batched lists
+        # pass as views since patch flash-attn-4/0004; varlen ones are re-laid). Where the API
         # takes the 64-row tile (fa4.small_tile), the 128-row tile runs too, for the same-run ratio.
         cute = fas.fa4.import_cute("interface")
         splits = fas.choose_num_splits_for(q, k, v, blocks[0], backend="fa4")
@@ -278,7 +279,7 @@ def bench_shape(shape, roofline, rows, methods):
                                                     max_seqlen_k=shape.seqlen_k, q_block_size=tile) for b in blocks]
             add(name, rotating([lambda t=t: cute.flash_attn_func(q, k, v, causal=shape.causal, block_sparse_tensors=t,
                                                                  return_lse=True, num_splits=splits) for t in tensors]),
-                f"CuTe-DSL kernel, lists pre-adapted, {tile or '128'}-row tiles, {splits} splits")
+                f"CuTe-DSL kernel, lists in its form, {tile or '128'}-row tiles, {splits} splits")
     if "speculative" in methods and shape.density < 1:
         # The same union of blocks as a speculative set (the last 4 blocks, "mask" blocks) plus
         # the missed set, one pass (zero-copy form) and two passes + combine (gathered form).

@@ -94,12 +94,12 @@ def compile_case(name: str) -> str:
             tensors = BlockSparseTensorsTorch(counts(), ids(), counts(), ids(), block_size=(128, block))
             out, lse = interface.flash_attn_func(q, k, torch.empty_like(k), block_sparse_tensors=tensors,
                                                  return_lse=True, num_splits=3)
-        elif name == "decode_split_kv_tile64":  # the one-warpgroup tile that fa4.small_tile picks (64-row query blocks)
-            batch, seqlen_q, seqlen_k, block = 4, 1, 8192, 128
+        elif name == "decode_split_kv_tile64":  # as a decode call reaches it: 64-row query blocks (fa4.small_tile),
+            batch, seqlen_q, seqlen_k, block = 4, 1, 8192, 128  # the full lists as given, one broadcast zero mask count
             q, k = empty(batch, seqlen_q, heads, dim), empty(batch, seqlen_k, heads_k, dim)
-            counts = lambda: empty(batch, heads_k, 1, dtype=torch.int32)
-            ids = lambda: empty(batch, heads_k, 1, seqlen_k // block, dtype=torch.int32)
-            tensors = BlockSparseTensorsTorch(counts(), ids(), counts(), ids(), block_size=(64, block))
+            full_ids = empty(batch, heads_k, 1, seqlen_k // block, dtype=torch.int32)
+            tensors = BlockSparseTensorsTorch(empty(1, 1, 1, dtype=torch.int32), full_ids,
+                                              empty(batch, heads_k, 1, dtype=torch.int32), full_ids, block_size=(64, block))
             out, lse = interface.flash_attn_func(q, k, torch.empty_like(k), block_sparse_tensors=tensors,
                                                  return_lse=True, num_splits=3)
         else:

@@ -1,18 +1,18 @@
 """The Hopper backend: sparse calls run by flash-attn-4's CuTe-DSL SM90 forward (stage 4).
 
 flash-attn-4 (imported as `flash_attn.cute`, the `[hopper]` extra) already walks per-tile
-"mask"/"full" block lists on SM90 with TMA and WGMMA. Its contract is narrower than this
-project's, so every call goes through `block_sparse_tensors`, which
-- puts a partial tail block last in its list: it walks a list from its last entry down and
-  applies the sequence-end mask to that first-processed block only (a batched table on the
-  GPU: one Triton launch that keeps the other entries in their order; varlen tables and the CPU
-  path sort);
-- drops entries past the count and ids outside the sequence, and recounts (our kernels skip
-  them; its kernels would read out of bounds);
+"mask"/"full" block lists on SM90 with TMA and WGMMA. Upstream's contract is narrower than this
+project's (the partial tail block last in its list, every id in range, counts within the row);
+patch flash-attn-4/0004 widens its SM90 kernel to ours instead (counts clamped to the row, an id
+out of range read as the block past the end, the sequence-end mask on every listed block), so
+`block_sparse_tensors`
+- passes batched tables as views, trimmed to ceil(seqlen_q / q_block_size) rows as it requires,
+  with no launch before the kernel (decode calls are a few microseconds long);
 - keeps per-K/V-head lists as they are: flash-attn-4 (stage 4) then packs the query heads of a
   K/V head into one tile (PackGQA), so each listed block is read once per K/V head;
-- trims the batched tables to exactly ceil(seqlen_q / q_block_size) rows, as it requires;
-- re-lays varlen rows at its stride, ceil(seqlen_k_b / block_size) entries per row.
+- gives calls without mask lists one broadcast zero count (its kernels require mask lists);
+- re-lays varlen rows at its stride, ceil(seqlen_k_b / block_size) entries per row (sorted and
+  range-checked by torch ops on the way).
 Empty lists keep their meaning (O = 0, LSE = -inf) and LSE comes back in the FA-2 path's layout.
 
 Split-KV (stage 4), fixed-length calls only (SPLIT_KV_UNSUPPORTED): each of `num_splits` CTAs
@@ -90,78 +90,19 @@ def unsupported_reason(q: Tensor, blocks: SparseBlocks, *, max_seqlen_q: int, va
     return missing_runtime()
 
 
-def _batched_lists(cnt: Tensor, idx: Tensor, m_blocks: int, n_blocks: int) -> Tuple[Tensor, Tensor]:
-    """Sorted, range-checked (cnt, idx) of batched tables trimmed to m_blocks rows and at most
-    n_blocks entries per row. The reference of _batched_lists_triton (and the CPU path)."""
-    cnt = cnt[:, :, :m_blocks]
-    idx = idx[:, :, :m_blocks, :n_blocks]
-    rank = torch.arange(idx.shape[-1], dtype=torch.int32, device=idx.device)
-    valid = (rank < cnt.unsqueeze(-1)) & (idx >= 0) & (idx < n_blocks)
-    idx_sorted = torch.where(valid, idx, _PAST_EVERY_ID).sort(dim=-1).values
-    return valid.sum(dim=-1, dtype=torch.int32).contiguous(), idx_sorted.contiguous()
+_ZERO_COUNTS = {}  # device -> the (1, 1, 1) zero count of _zero_counts
 
 
-@functools.lru_cache(maxsize=None)
-def _adapt_rows_kernel():
-    """The Triton kernel of _batched_lists_triton (built on first use: Triton is only needed here)."""
-    import triton
-    import triton.language as tl
-
-    @triton.jit
-    def adapt_rows(cnt_ptr, idx_ptr, cnt_out_ptr, idx_out_ptr, empty_cnt_ptr, heads, m_blocks, width, n_blocks,
-                   tail_id, stride_cb, stride_ch, stride_cm, stride_ib, stride_ih, stride_im, stride_in,
-                   BLOCK: tl.constexpr, WRITE_EMPTY: tl.constexpr):
-        row = tl.program_id(0)  # one (batch, head, query tile) row per program
-        m = row % m_blocks
-        h = (row // m_blocks) % heads
-        b = row // (m_blocks * heads)
-        offs = tl.arange(0, BLOCK)
-        in_row = offs < width
-        ids = tl.load(idx_ptr + b * stride_ib + h * stride_ih + m * stride_im + offs * stride_in, mask=in_row, other=-1)
-        count_in = tl.load(cnt_ptr + b * stride_cb + h * stride_ch + m * stride_cm)
-        valid = in_row & (offs < count_in) & (ids >= 0) & (ids < n_blocks)
-        # The partial tail block (tail_id, -1 if none) goes last: the kernel masks the sequence end
-        # on a list's first-processed entry only. A repeated tail entry is dropped.
-        is_tail = valid & (ids == tail_id)
-        first_tail = is_tail & (tl.cumsum(is_tail.to(tl.int32), 0) == 1)
-        body = valid & (ids != tail_id)
-        kept = body | first_tail
-        count = tl.sum(kept.to(tl.int32), 0)
-        dropped = in_row & ~kept
-        pos = tl.where(body, tl.cumsum(body.to(tl.int32), 0) - 1,
-                       tl.where(first_tail, count - 1, count + tl.cumsum(dropped.to(tl.int32), 0) - 1))
-        tl.store(idx_out_ptr + row * width + pos, tl.where(kept, ids, 2147483647), mask=in_row)
-        tl.store(cnt_out_ptr + row, count)
-        if WRITE_EMPTY:  # the zero counts of empty mask lists, in the same launch
-            tl.store(empty_cnt_ptr + row, 0)
-
-    return adapt_rows
-
-
-def _batched_lists_triton(cnt: Tensor, idx: Tensor, m_blocks: int, n_blocks: int, tail_partial: bool,
-                          empty_counts: bool = False) -> Tuple[Tensor, Tensor, Optional[Tensor]]:
-    """_batched_lists in one launch: each row's valid entries in their order, the partial tail
-    block (if tail_partial) moved last, then the dropped ones as int32 max. The same entries and
-    counts as the sorted reference, without a sort (its several launches cost more than the
-    decode kernel's listed reads at 1/16, run 52). With empty_counts, also zero counts of the
-    same shape (the empty mask lists flash-attn-4 requires), else None."""
-    import triton
-    batch, heads = cnt.shape[0], cnt.shape[1]
-    m_blocks = min(m_blocks, cnt.shape[2])
-    width = min(idx.shape[-1], n_blocks)
-    cnt_out = torch.empty(batch, heads, m_blocks, dtype=torch.int32, device=cnt.device)
-    idx_out = torch.empty(batch, heads, m_blocks, width, dtype=torch.int32, device=idx.device)
-    empty = torch.empty_like(cnt_out) if empty_counts else None
-    if cnt_out.numel() and width:
-        _adapt_rows_kernel()[(cnt_out.numel(),)](
-            cnt, idx, cnt_out, idx_out, empty if empty_counts else cnt_out, heads, m_blocks, width, n_blocks,
-            n_blocks - 1 if tail_partial else -1, *cnt.stride()[:3], *idx.stride(),
-            BLOCK=triton.next_power_of_2(width), WRITE_EMPTY=empty_counts)
-    elif cnt_out.numel():
-        cnt_out.zero_()
-        if empty_counts:
-            empty.zero_()
-    return cnt_out, idx_out, empty
+def _zero_counts(device: torch.device) -> Tensor:
+    """A (1, 1, 1) zero that flash-attn-4 broadcasts to every tile: the counts of the empty mask
+    lists its kernels require. Made once per device, outside any graph capture (a tensor made
+    during one belongs to that graph's pool), so a decode call writes nothing before its kernel."""
+    zero = _ZERO_COUNTS.get(device)
+    if zero is None:
+        zero = torch.zeros(1, 1, 1, dtype=torch.int32, device=device)
+        if device.type != "cuda" or not torch.cuda.is_current_stream_capturing():
+            _ZERO_COUNTS[device] = zero
+    return zero
 
 
 @dataclass(frozen=True)
@@ -236,27 +177,21 @@ def block_sparse_tensors(blocks: SparseBlocks, *, batch: int, max_seqlen_q: int,
     follows it): 64 for calls whose queries fit one 64-row tile."""
     from .builders import to_cute_block_sparse_tensors
     q_block = q_block_size or blocks.resolved_q_block_size(max_seqlen_q)
-    one_launch = not blocks.is_varlen and blocks.full_idx.is_cuda
     if blocks.is_varlen:
         seqlens_k = seqused_k if seqused_k is not None else cu_seqlens_k[1:] - cu_seqlens_k[:-1]
         rows = _VarlenRows.of(blocks, seqlens_k, max_seqlen_k)
         adapt = lambda cnt, idx: _varlen_lists(cnt, idx, rows)
-    else:
+    else:  # views: its SM90 kernel (patch flash-attn-4/0004) reads batched lists as they are
         m_blocks, n_blocks = cdiv(max_seqlen_q, q_block), cdiv(max_seqlen_k, blocks.block_size)
-        tail_partial = max_seqlen_k % blocks.block_size != 0
-        triton_adapt = functools.partial(_batched_lists_triton, m_blocks=m_blocks, n_blocks=n_blocks, tail_partial=tail_partial)
-        adapt = (lambda cnt, idx: triton_adapt(cnt, idx)[:2]) if one_launch else \
-            (lambda cnt, idx: _batched_lists(cnt, idx, m_blocks, n_blocks))
+        adapt = lambda cnt, idx: (cnt[:, :, :m_blocks], idx[:, :, :m_blocks, :n_blocks])
 
+    full_cnt, full_idx = adapt(blocks.full_cnt, blocks.full_idx)
     if blocks.mask_cnt is not None:
-        full_cnt, full_idx = adapt(blocks.full_cnt, blocks.full_idx)
         mask_cnt, mask_idx = adapt(blocks.mask_cnt, blocks.mask_idx)
-    elif one_launch:  # its kernels need mask lists: empty ones, their zero counts from the same launch
-        full_cnt, full_idx, mask_cnt = triton_adapt(blocks.full_cnt, blocks.full_idx, empty_counts=True)
-        mask_idx = full_idx
-    else:  # empty mask lists, whose ids are never read
-        full_cnt, full_idx = adapt(blocks.full_cnt, blocks.full_idx)
+    elif blocks.is_varlen:  # empty mask lists, whose ids are never read
         mask_cnt, mask_idx = torch.zeros_like(full_cnt), full_idx
+    else:
+        mask_cnt, mask_idx = _zero_counts(full_cnt.device), full_idx
     return to_cute_block_sparse_tensors(SparseBlocks(
         full_cnt, full_idx, mask_cnt, mask_idx, block_size=blocks.block_size, q_block_size=q_block,
         cu_total_m_blocks=blocks.cu_total_m_blocks,
