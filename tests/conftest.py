@@ -43,8 +43,8 @@ def pytest_collection_modifyitems(config, items):
 @pytest.fixture(autouse=True)
 def auto_stays_on_fa2(request, monkeypatch):
     """Outside the stage-4 tests backend="auto" takes FA-2, so that the tests of the FA-2 kernels
-    test them on a machine with the FA-4 runtime too: there auto sends fixed-length calls with
-    64+ query rows per tile to FA-4 (test_stage4_fa4.py tests that routing and FA-4's results)."""
+    test them on a machine with the FA-4 runtime too: there auto sends most fixed-length calls
+    to FA-4 (test_stage4_fa4.py tests that routing and FA-4's results)."""
     if request.module.__name__ != "test_stage4_fa4":
         from flash_attn_sparse import fa4
         monkeypatch.setattr(fa4, "unsupported_reason", lambda *args, **kwargs: "FA-2 kept by tests/conftest.py")

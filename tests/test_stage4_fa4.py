@@ -286,11 +286,12 @@ def test_auto_routing():
     # Fewer 128-row tiles than SMs: FA-4 splits the list too.
     q_short = q[:, :512].expand(1, 512, 8, 128)
     assert fas.choose_backend(q_short, k, v, dense(4096))[0] == "fa4"
-    # Decode: FA-4 where its tiles hold 64+ packed rows (16 queries x 4 heads per K/V head).
+    # Decode: FA-4 where it packs the query heads of a K/V head (16 or 1 queries x 4 heads per tile);
+    # unpacked lists with fewer than 64 rows per tile stay on FA-2.
     q_decode, k_decode, v_decode = random_qkv(8, 16, 32768, 32, 8, 128, torch.bfloat16)
     assert fas.choose_backend(q_decode, k_decode, v_decode, dense(32768))[0] == "fa4"
     assert fas.choose_num_splits_for(q_decode, k_decode, v_decode, dense(32768), backend="fa4") > 1
-    assert fas.choose_backend(q_decode[:, :1], k_decode, v_decode, dense(32768))[0] == "fa2"
+    assert fas.choose_backend(q_decode[:, :1], k_decode, v_decode, dense(32768))[0] == "fa4"  # packed, 4 rows
     per_q_head = SparseBlocks(torch.full((8, 32, 1), 256, dtype=torch.int32, device="cuda"),  # 16 rows per tile
                               dense(32768).expand(8, 32, 1, 256).contiguous(), block_size=128)
     assert fas.choose_backend(q_decode, k_decode, v_decode, per_q_head)[0] == "fa2"

@@ -207,6 +207,11 @@ def _packed(q: Tensor, k: Tensor, blocks: SparseBlocks) -> Tuple[int, int]:
     return heads, 1
 
 
+def packs_query_heads(q: Tensor, k: Tensor, blocks: SparseBlocks) -> bool:
+    """Whether the query heads of a K/V head share a tile (GQA with shared or per-K/V-head lists)."""
+    return _packed(q, k, blocks)[1] > 1
+
+
 def tiles(q: Tensor, k: Tensor, blocks: SparseBlocks, *, batch: int, max_seqlen_q: int) -> int:
     """CTAs of one split: 128-row tiles of each sequence's (packed) query rows (a call that takes
     64-row tiles, small_tile, fits one either way)."""

@@ -14,10 +14,13 @@ from .metadata import (BLOCK_SIZES, SparseBlocks, cdiv, exhaustive_validation_re
 BlockTable = Union[Tensor, SparseBlocks]
 MAX_SPLITS = 128
 BACKENDS = ("auto", "fa2", "fa4")
-# auto sends a fixed-length call to the Hopper (FA-4) backend when its 128-row tiles hold at
-# least FA4_MIN_TILE_ROWS query rows (packed GQA rows count): both backends split the lists then,
-# and per tile of real rows FA-4's WGMMA kernel is the faster (run 52: B8 Sq16 H32/8, 64 packed
-# rows, 1/16: 26.0 vs 30.2 us kernel time; with 4 packed rows it only ties). A varlen call goes
+# auto sends a fixed-length call to the Hopper (FA-4) backend when the query heads of a K/V head
+# share its tiles (GQA packing: shared or per-K/V-head lists), or when its 128-row tiles hold at
+# least FA4_MIN_TILE_ROWS query rows. Both backends split the lists; since patch flash-attn-4/0004
+# the FA-4 API costs what its kernel costs, and run 56 timed that kernel at or ahead of FA-2 at
+# every packed decode point (B8 Sq1 H32/8 1/16: 21.6 vs 24.1 us; B1 Sq1 128k: 15.2 vs 16.1; ties
+# at 1/4), and ahead at B8 Sq16 and every crossover point. Unpacked calls with fewer rows (per
+# query head lists at decode) were not timed on FA-4 and stay on FA-2. A varlen call goes
 # to FA-4 when its tiles are full and keep most of the GPU busy without splitting (FA-4 cannot
 # split varlen calls): at least FA4_MIN_QUERY_ROWS rows per sequence and tiles for
 # FA4_MIN_SM_SHARE of the SMs (crossover measured before split-KV, H200 B1 H32 Sk16k: FA-2
@@ -370,8 +373,10 @@ class _Call:
             return "fa4", "requested"
         if unsupported:
             return "fa2", unsupported
-        if not self.varlen:  # both backends split the lists: FA-4 wherever its tiles are half full
+        if not self.varlen:  # both backends split the lists: FA-4 where it packs heads or fills half a tile
             rows = fa4.rows_per_tile(self.q, self.k, self.blocks, max_seqlen_q=self.max_seqlen_q)
+            if fa4.packs_query_heads(self.q, self.k, self.blocks):
+                return "fa4", f"query heads packed per K/V head, {rows} rows per FA-4 tile"
             if rows < FA4_MIN_TILE_ROWS:
                 return "fa2", f"{rows} query rows per FA-4 tile of {fa4.TILE_ROWS}: FA-2's smaller tiles"
             return "fa4", f"{rows} query rows per FA-4 tile of {fa4.TILE_ROWS}"
@@ -426,8 +431,8 @@ def flash_attn_with_sparse_block_table(q: Tensor, k: Tensor, v: Tensor, sparse_b
     blocks of key positions. page_size is a multiple of 16 that divides block_size or is a
     multiple of it; seqlen_k is seqused_k, else max_pages * page_size.
     backend: "fa2" (this package's kernels), "fa4" (flash-attn-4's SM90 kernel, extra
-    `[hopper]`) or "auto" (on SM90 FA-4 where it can run the call and its 128-row tiles hold 64+
-    query rows, packed GQA rows included, else FA-2; stages/stage4.md);
+    `[hopper]`) or "auto" (on SM90 FA-4 where it can run the call and packs GQA query heads or
+    its 128-row tiles hold 64+ query rows, else FA-2; stages/stage4.md);
     `choose_backend` tells which and `choose_num_splits_for` the split count, and the
     "flash_attn_sparse" logger says so at DEBUG.
     """
