@@ -195,8 +195,8 @@ def speculative_calls(shape, q, k, v, list_sets, backend="auto"):
                                                                                                      s.missed) for s in spec]),
     }
     if backend != "fa2" and not fas.fa4.missing_runtime():
-        # The gathered form's FA-4 route (missed pass on FA-4, speculative pass, combine), which
-        # auto does not take at decode: whether it should once the union pass runs on FA-4.
+        # The gathered form on FA-4 whatever auto would choose: one launch whose mask lists read
+        # k_spec / v_spec (patch flash-attn-4/0006); at prefill the two-pass FA-4 form.
         calls["speculative_two_pass fa4"] = rotating([
             lambda s=s: fas.flash_attn_speculative_sparse(q, s.k_spec, s.v_spec, k, v, s.missed, backend="fa4") for s in spec])
     return calls

@@ -352,10 +352,12 @@ def test_speculative_forms_run_on_fa4_at_prefill(causal_spec, monkeypatch):
 
 @pytest.mark.gpu
 @pytest.mark.sm90
-def test_speculative_forms_at_decode_with_fa4_present(monkeypatch):
+@pytest.mark.parametrize("causal_spec", [True, False])
+def test_speculative_forms_at_decode_with_fa4_present(causal_spec, monkeypatch):
     """At decode with 64+ packed rows per FA-4 tile (16 queries x 4 query heads per K/V head)
     the zero-copy form runs as one FA-4 pass with its shared speculative mask lists, split; the
-    gathered form keeps its one FA-2 launch. Both against the fp32 reference."""
+    gathered form as one FA-4 launch whose mask lists read k_spec / v_spec (patch
+    flash-attn-4/0006). Both against the fp32 reference."""
     _needs_fa4()
     g = torch.Generator(device="cuda").manual_seed(23)
     batch, seqlen_q, seqlen_k, heads, heads_k, block = 2, 16, 8192, 8, 2, 128
@@ -363,18 +365,20 @@ def test_speculative_forms_at_decode_with_fa4_present(monkeypatch):
     spec_start = seqlen_k // block - 2  # the speculative set: the last 2 blocks, causal
     spec_ids = [spec_start + 1, spec_start]
     missed_ids = random.Random(3).sample(range(spec_start), 9)
-    spec, missed, visible = _speculative_sets(spec_ids, missed_ids, seqlen_q, seqlen_k, block, causal_spec=True)
+    spec, missed, visible = _speculative_sets(spec_ids, missed_ids, seqlen_q, seqlen_k, block, causal_spec)
     fa4_calls = []
     run_fa4 = fa4.run
-    monkeypatch.setattr(fa4, "run", lambda *a, **kw: fa4_calls.append(kw["num_splits"]) or run_fa4(*a, **kw))
+    monkeypatch.setattr(fa4, "run", lambda *a, **kw: fa4_calls.append((kw["num_splits"], kw.get("mask_source") is not None))
+                        or run_fa4(*a, **kw))
 
     poison_allocator(((batch, seqlen_q, heads, 128), torch.bfloat16), ((batch, heads, seqlen_q), torch.float32))
-    out, lse = fas.flash_attn_speculative_sparse_zero_copy(q, k, v, spec, missed, validate="full")
-    assert len(fa4_calls) == 1 and fa4_calls[0] > 1  # 4 tiles on 100+ SMs: split
+    out, lse = fas.flash_attn_speculative_sparse_zero_copy(q, k, v, spec, missed, causal_spec=causal_spec, validate="full")
+    assert len(fa4_calls) == 1 and fa4_calls[0][0] > 1 and not fa4_calls[0][1]  # 4 tiles on 100+ SMs: split
     assert_close_to_reference(out, lse, q, k, v, visible)
 
     k_spec, v_spec = k[:, spec_start * block:].contiguous(), v[:, spec_start * block:].contiguous()
-    out_g, lse_g = fas.flash_attn_speculative_sparse(q, k_spec, v_spec, k, v, missed, validate="full")
-    assert len(fa4_calls) == 1
+    out_g, lse_g = fas.flash_attn_speculative_sparse(q, k_spec, v_spec, k, v, missed, causal_spec=causal_spec,
+                                                     validate="full")
+    assert len(fa4_calls) == 2 and fa4_calls[1][1]  # one launch, the mask lists on k_spec
     assert_close_to_reference(out_g, lse_g, q, k, v, visible)
     assert max_err(lse, lse_g) <= 1e-3 and max_err(out, out_g) <= 2e-2

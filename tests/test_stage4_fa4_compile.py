@@ -102,17 +102,30 @@ def compile_case(name: str) -> str:
                                               empty(batch, heads_k, 1, dtype=torch.int32), full_ids, block_size=(64, block))
             out, lse = interface.flash_attn_func(q, k, torch.empty_like(k), block_sparse_tensors=tensors,
                                                  return_lse=True, num_splits=3)
+        elif name == "decode_mask_source":  # the gathered speculative call in one launch: mask lists read k_spec
+            batch, seqlen_q, seqlen_k, seqlen_spec, block = 4, 16, 8192, 512, 128
+            q, k = empty(batch, seqlen_q, heads, dim), empty(batch, seqlen_k, heads_k, dim)
+            k_spec = empty(batch, seqlen_spec, heads_k, dim)
+            counts = lambda: empty(batch, heads_k, 1, dtype=torch.int32)
+            ids = lambda: empty(batch, heads_k, 1, seqlen_k // block, dtype=torch.int32)
+            tensors = BlockSparseTensorsTorch(counts(), ids(), counts(), ids(), block_size=(64, block))
+            out, lse, *_ = interface._flash_attn_fwd(q, k, torch.empty_like(k), causal=True, block_sparse_tensors=tensors,
+                                                     return_lse=True, num_splits=2,
+                                                     mask_block_kv=(k_spec, torch.empty_like(k_spec)))
         else:
             raise ValueError(name)
     compiled = interface._flash_attn_fwd.compile_cache.cache
     if len(compiled) != 1 or not next(iter(compiled.values())).has_gpu_module:
         raise RuntimeError(f"expected one compiled SM90 kernel with a GPU module, got {compiled!r}")
+    if name == "decode_mask_source" and next(iter(compiled))[-1] is not True:  # the key's last field: a mask source
+        raise RuntimeError("the kernel was compiled without its mask-list K/V source")
     if name.startswith("decode_split_kv") and not interface._flash_attn_fwd_combine.compile_cache.cache:
         raise RuntimeError("the split partials were not combined")
     return f"compiled {name}: out {tuple(out.shape)}, lse {tuple(lse.shape)}"
 
 
-@pytest.mark.parametrize("case", ["batched_causal_128", "varlen_block_64", "decode_split_kv", "decode_split_kv_tile64"])
+@pytest.mark.parametrize("case", ["batched_causal_128", "varlen_block_64", "decode_split_kv", "decode_split_kv_tile64",
+                                  "decode_mask_source"])
 def test_sm90_block_sparse_forward_compiles_without_a_gpu(patched_fa4: Path, case: str):
     env = {**os.environ, **CROSS_COMPILE_ENV,
            "PYTHONPATH": os.pathsep.join([str(patched_fa4), str(REPO / "tests"), os.environ.get("PYTHONPATH", "")])}

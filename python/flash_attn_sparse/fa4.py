@@ -269,8 +269,10 @@ def small_tile(q: Tensor, k: Tensor, blocks: SparseBlocks, *, max_seqlen_q: int)
 def run(q: Tensor, k: Tensor, v: Tensor, blocks: SparseBlocks, *, softmax_scale: float, causal: bool,
         batch: int, max_seqlen_q: int, max_seqlen_k: int, cu_seqlens_q: Optional[Tensor] = None,
         cu_seqlens_k: Optional[Tensor] = None, seqused_k: Optional[Tensor] = None,
-        num_splits: int = 1) -> Tuple[Tensor, Tensor]:
-    """The sparse forward on flash-attn-4's SM90 kernel. Returns (out, lse) as the FA-2 path does."""
+        num_splits: int = 1, mask_source: Optional[Tuple[Tensor, Tensor]] = None) -> Tuple[Tensor, Tensor]:
+    """The sparse forward on flash-attn-4's SM90 kernel. Returns (out, lse) as the FA-2 path does.
+    mask_source (K, V): the tensors the mask lists name blocks of, in the same launch (patch
+    flash-attn-4/0006: the speculative call's gathered blocks); fixed-length calls only."""
     interface = import_cute("interface")
     small = small_tile(q, k, blocks, max_seqlen_q=max_seqlen_q)
     tensors = block_sparse_tensors(blocks, batch=batch, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k,
@@ -281,6 +283,10 @@ def run(q: Tensor, k: Tensor, v: Tensor, blocks: SparseBlocks, *, softmax_scale:
             q, k, v, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q,
             max_seqlen_k=max_seqlen_k, seqused_k=seqused_k, softmax_scale=softmax_scale, causal=causal,
             block_sparse_tensors=tensors, return_lse=True, num_splits=num_splits)
+    elif mask_source is not None:  # forward only, as this package is: its autograd wrapper does not take it
+        out, lse, *_ = interface._flash_attn_fwd(q, k, v, softmax_scale=softmax_scale, causal=causal,
+                                                 block_sparse_tensors=tensors, return_lse=True, num_splits=num_splits,
+                                                 mask_block_kv=mask_source)
     else:
         out, lse = interface.flash_attn_func(q, k, v, softmax_scale=softmax_scale, causal=causal,
                                              block_sparse_tensors=tensors, return_lse=True, num_splits=num_splits)

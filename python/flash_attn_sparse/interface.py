@@ -363,8 +363,6 @@ class _Call:
             return "fa2", "traced by torch.compile"
         unsupported = fa4.unsupported_reason(self.q, self.blocks, max_seqlen_q=self.max_seqlen_q, varlen=self.varlen,
                                              paged=self.page_table is not None)
-        if self.mask_source is not None:
-            unsupported = "the mask blocks name a second K/V source (the speculative call's one launch): FA-2 only"
         if self.requested_backend == "fa4":
             if unsupported:
                 fail("backend", f"'fa4' cannot run this call: {unsupported}")
@@ -400,7 +398,7 @@ class _Call:
             return fa4.run(self.q, self.k, self.v, self.effective_blocks(), softmax_scale=self.scale, causal=self.causal,
                            batch=self.batch, max_seqlen_q=self.max_seqlen_q, max_seqlen_k=self.max_seqlen_k,
                            cu_seqlens_q=self.cu_seqlens_q, cu_seqlens_k=self.cu_seqlens_k, seqused_k=self.seqused_k,
-                           num_splits=self.fa4_num_splits())
+                           num_splits=self.fa4_num_splits(), mask_source=self.mask_source)
         return ops.sparse_fwd(*self.op_args(self.num_splits()))
 
     def run_partial(self, out_partial: Tensor, lse_partial: Tensor, offset: int, num_splits: int) -> None:
@@ -570,14 +568,14 @@ def flash_attn_speculative_sparse(q: Tensor, k_spec: Tensor, v_spec: Tensor, k: 
     page_table describe k and v (paged caches) as in flash_attn_with_sparse_block_table; k_spec
     and v_spec stay contiguous (batch, seqlen_spec, heads_k, head_dim).
 
-    Where the missed pass goes to FA-4 (backend="fa4", or "auto" at prefill, seqlen_q >= 128,
-    where auto would take FA-4; at decode auto keeps the one FA-2 launch), it runs there over every row, and the speculative pass only over the
-    rows that see a speculative key (with causal_spec, the last seqlen_spec rows), merged into
-    those rows. Otherwise, where the kernel allows (see _one_launch_refusal: k_spec/v_spec
-    strided like k/v, a block size of at least one kernel tile, no mask lists in the missed
-    set), one launch: the missed blocks are the call's "full" blocks and the speculative ones its
-    "mask" blocks, read from k_spec / v_spec. Otherwise two passes write fp32 partials into one
-    buffer and the sparse combine kernel merges them. The same attention every way."""
+    Where the missed pass goes to FA-4 at prefill (seqlen_q >= 128), it runs there over every
+    row, and the speculative pass only over the rows that see a speculative key (with
+    causal_spec, the last seqlen_spec rows), merged into those rows. Otherwise, where the kernels
+    allow (see _one_launch_refusal: k_spec/v_spec strided like k/v, a block size of at least one
+    kernel tile, no mask lists in the missed set), one launch on the missed pass's backend: the
+    missed blocks are the call's "full" blocks and the speculative ones its "mask" blocks, read
+    from k_spec / v_spec. Otherwise two passes write fp32 partials into one buffer and the sparse
+    combine kernel merges them (on FA-4: the prefill form). The same attention every way."""
     batch = q.shape[0] if isinstance(q, Tensor) and q.dim() == 4 else 1
     missed = _as_blocks(sparse_block_table, block_size, batch, "sparse_block_table")
     if not isinstance(k_spec, Tensor) or k_spec.dim() != 4:
@@ -587,11 +585,15 @@ def flash_attn_speculative_sparse(q: Tensor, k_spec: Tensor, v_spec: Tensor, k: 
     # Missed blocks are all visible, so the missed pass is not causal (and is validated so).
     missed_call = _Call(q, k, v, missed, causal=False, softmax_scale=softmax_scale, num_splits=num_splits,
                         validate=validate, seqused_k=seqused_k, page_table=page_table, backend=backend)
-    # At decode auto keeps the one FA-2 launch even where the missed pass alone would run on FA-4:
-    # the FA-4 form's second pass and merge are several launches, worth it at prefill only.
-    if missed_call.backend()[0] == "fa4" and (backend == "fa4" or missed_call.max_seqlen_q >= FA4_MIN_QUERY_ROWS):
+    # At prefill on FA-4 the speculative pass runs over the rows that see k_spec only (measured
+    # 0.82-0.93x one pass over the union, run 33); elsewhere one launch, on the backend the missed
+    # pass takes (FA-4 reads k_spec through a second pair of TMA descriptors, patch
+    # flash-attn-4/0006; FA-2 through its second source pointers).
+    one_launch = _one_launch_refusal(q, k_spec, v_spec, k, v, missed, paged=page_table is not None) is None
+    on_fa4 = missed_call.backend()[0] == "fa4"
+    if on_fa4 and (missed_call.max_seqlen_q >= FA4_MIN_QUERY_ROWS or not one_launch):
         return _speculative_over_missed_on_fa4(missed_call, k_spec, v_spec, causal_spec, validate, backend)
-    if _one_launch_refusal(q, k_spec, v_spec, k, v, missed, paged=page_table is not None) is None:
+    if one_launch:
         # "mask" blocks whatever causal_spec: they name the second source; the flag masks them.
         spec = _every_block_of(k_spec, batch, "mask", missed.block_size)
         missed_call.use_mask_lists(spec, source=(k_spec, v_spec), causal=causal_spec)
