@@ -72,10 +72,24 @@ start=$(date +%s)
 # step returns it), for benchmarks of a build whose tests already ran. Otherwise a wheel carried
 # back from an earlier call (.carry/wheel/dist-wheel.tar, as $OUT returns it) is reused when its
 # label (the hash of the patched tree and build profile) is this commit's.
+# REUSE_FA2_WHEEL=1 installs the carried flash-attn wheel (.carry/wheel/dist-wheel.tar) without
+# a build, builds only flash-attn-4's wheel (seconds) and puts this checkout's python/ first on
+# the path: for a commit whose flash-attn patches and overlay C++ are the wheel's (check
+# `git diff --stat WHEEL_COMMIT -- patches/flash-attn patches/overlay` first; run 58 did this by
+# hand). Saves the ~190 s build of an FA-4-only change. Carry the upstream cache, the wheel and
+# runtime part 2 in the second call (part 1 alone in the first: together they pass 64 MiB).
+SOURCE_PYTHON=""
 if [ -n "${INSTALL_WHEEL:-}" ]; then
     mkdir -p /tmp/given-wheel && tar xf "$INSTALL_WHEEL" -C /tmp/given-wheel
     wheel=$(ls /tmp/given-wheel/flash_attn-*.whl | head -1)
     note "wheel given: $(basename "$wheel") (no build)"
+elif [ -n "${REUSE_FA2_WHEEL:-}" ]; then
+    mkdir -p /tmp/given-wheel && tar xf .carry/wheel/dist-wheel.tar -C /tmp/given-wheel
+    wheel=$(ls /tmp/given-wheel/flash_attn-*.whl | head -1)
+    PYTHONPATH=python python3 -m forktools upstream --offline > "$LOGS/upstream.log" 2>&1 || { note "upstream cache: FAILED"; cat "$LOGS/upstream.log"; exit 1; }
+    PYTHONPATH=python python3 -m forktools build --fa4-only > "$LOGS/build.log" 2>&1 || { note "flash-attn-4 wheel: FAILED"; cat "$LOGS/build.log"; exit 1; }
+    SOURCE_PYTHON=$PWD/python
+    note "wheel reused: $(basename "$wheel") (no build); flash-attn-4 wheel built here; python/ first on the path"
 else
     if [ -f .carry/wheel/dist-wheel.tar ]; then mkdir -p dist && tar xf .carry/wheel/dist-wheel.tar -C dist; fi
     PYTHONPATH=python python3 -m forktools upstream --offline > "$LOGS/upstream.log" 2>&1 || { note "upstream cache: FAILED"; cat "$LOGS/upstream.log"; exit 1; }
@@ -86,7 +100,7 @@ else
     note "build: $(grep -o 'in [0-9]* s' "$LOGS/build.log" | tail -1) (wall $(( $(date +%s) - start )) s incl. re-lay), $(basename "$wheel"), $(du -m "$wheel" | cut -f1) MB"
 fi
 rm -rf /tmp/site && python3 -m pip install -q --no-deps --no-index --target /tmp/site "$wheel" || { note "install: FAILED"; exit 1; }
-export PYTHONPATH=${CUTEDSL_PATH:+$CUTEDSL_PATH:}/tmp/site
+export PYTHONPATH=${SOURCE_PYTHON:+$SOURCE_PYTHON:}${CUTEDSL_PATH:+$CUTEDSL_PATH:}/tmp/site
 if [ -n "$CUTEDSL_PATH" ]; then  # flash-attn-4 with the stage-4 patches over upstream's
     fa4_wheel=$(ls -t dist/flash_attn_4-*.whl | head -1)
     python3 -m pip install -q --no-deps --no-index --upgrade --target /tmp/cutedsl/site "$fa4_wheel" \

@@ -6,7 +6,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from forktools import ToolError, build, series, stages, upstream, variant
+from forktools import ToolError, build, series, stages, upstream, variant, wheel_fa4
 from forktools.layout import Layout
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -46,6 +46,9 @@ def _variant(layout: Layout, args: argparse.Namespace) -> int:
 
 
 def _build(layout: Layout, args: argparse.Namespace) -> int:
+    if args.fa4_only:
+        wheel_fa4.build(layout)
+        return 0
     build.build(layout, profile=args.profile, archs=args.archs, jobs=args.jobs, reuse=args.reuse,
                 mutations=args.mutations, install=args.install)
     return 0
@@ -96,6 +99,8 @@ def _parser() -> argparse.ArgumentParser:
     command.add_argument("--mutation", dest="mutations", action="append", default=[], type=Path, metavar="PATCH",
                          help="apply a defect on top, to check that the tests catch it (tests/mutations/)")
     command.add_argument("--install", action="store_true", help="pip-install the wheel into this Python afterwards")
+    command.add_argument("--fa4-only", action="store_true",
+                         help="only the patched flash-attn-4 wheel (pure Python, seconds), e.g. beside a carried flash-attn one")
     command.set_defaults(run=_build)
 
     command = commands.add_parser("variant", help="a branch as a diff over the base's patched flash-attn tree (for build --mutation)")
