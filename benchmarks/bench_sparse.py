@@ -187,18 +187,18 @@ def speculative_calls(shape, q, k, v, list_sets, backend="auto"):
     """{name: call} of the union pass and the two speculative forms over the same blocks (the
     first list of each list set, shared by every row), each rotating through the list sets."""
     spec = [speculative_inputs(shape, k, v, lists[0][0]) for lists in list_sets]
+    gathered = lambda **options: rotating([lambda s=s: fas.flash_attn_speculative_sparse(q, s.k_spec, s.v_spec, k, v, s.missed,
+                                                                                          **options) for s in spec])
     calls = {
         "union_one_pass": rotating_sparse_call(q, k, v, [s.union for s in spec], backend=backend),
-        "speculative_two_pass": rotating([lambda s=s: fas.flash_attn_speculative_sparse(q, s.k_spec, s.v_spec, k, v, s.missed)
-                                          for s in spec]),
+        "speculative_two_pass": gathered(),
         "speculative_zero_copy": rotating([lambda s=s: fas.flash_attn_speculative_sparse_zero_copy(q, k, v, s.spec_table,
                                                                                                      s.missed) for s in spec]),
     }
     if backend != "fa2" and not fas.fa4.missing_runtime():
         # The gathered form on FA-4 whatever auto would choose: one launch whose mask lists read
         # k_spec / v_spec (patch flash-attn-4/0006); at prefill the two-pass FA-4 form.
-        calls["speculative_two_pass fa4"] = rotating([
-            lambda s=s: fas.flash_attn_speculative_sparse(q, s.k_spec, s.v_spec, k, v, s.missed, backend="fa4") for s in spec])
+        calls["speculative_two_pass fa4"] = gathered(backend="fa4")
     return calls
 
 

@@ -79,6 +79,9 @@ start=$(date +%s)
 # hand). Saves the ~190 s build of an FA-4-only change. Carry the upstream cache, the wheel and
 # runtime part 2 in the second call (part 1 alone in the first: together they pass 64 MiB).
 SOURCE_PYTHON=""
+check_upstream_cache() {
+    PYTHONPATH=python python3 -m forktools upstream --offline > "$LOGS/upstream.log" 2>&1 || { note "upstream cache: FAILED"; cat "$LOGS/upstream.log"; exit 1; }
+}
 if [ -n "${INSTALL_WHEEL:-}" ]; then
     mkdir -p /tmp/given-wheel && tar xf "$INSTALL_WHEEL" -C /tmp/given-wheel
     wheel=$(ls /tmp/given-wheel/flash_attn-*.whl | head -1)
@@ -86,13 +89,13 @@ if [ -n "${INSTALL_WHEEL:-}" ]; then
 elif [ -n "${REUSE_FA2_WHEEL:-}" ]; then
     mkdir -p /tmp/given-wheel && tar xf .carry/wheel/dist-wheel.tar -C /tmp/given-wheel
     wheel=$(ls /tmp/given-wheel/flash_attn-*.whl | head -1)
-    PYTHONPATH=python python3 -m forktools upstream --offline > "$LOGS/upstream.log" 2>&1 || { note "upstream cache: FAILED"; cat "$LOGS/upstream.log"; exit 1; }
+    check_upstream_cache
     PYTHONPATH=python python3 -m forktools build --fa4-only > "$LOGS/build.log" 2>&1 || { note "flash-attn-4 wheel: FAILED"; cat "$LOGS/build.log"; exit 1; }
     SOURCE_PYTHON=$PWD/python
     note "wheel reused: $(basename "$wheel") (no build); flash-attn-4 wheel built here; python/ first on the path"
 else
     if [ -f .carry/wheel/dist-wheel.tar ]; then mkdir -p dist && tar xf .carry/wheel/dist-wheel.tar -C dist; fi
-    PYTHONPATH=python python3 -m forktools upstream --offline > "$LOGS/upstream.log" 2>&1 || { note "upstream cache: FAILED"; cat "$LOGS/upstream.log"; exit 1; }
+    check_upstream_cache
     PYTHONPATH=python python3 -m forktools build --profile dev --jobs "$(nproc)" --reuse 2>&1 | tee "$LOGS/build.log" | grep -v '^  \[' || true
     cp build/logs/build-dev.log "$LOGS/build-full.log" 2>/dev/null
     wheel=$(ls -t dist/flash_attn-*.whl 2>/dev/null | grep -v mutant | head -1)

@@ -252,6 +252,7 @@ def split_time_us(splits: int, *, tiles: int, list_blocks: int, block_bytes: int
     return max(chain, stream) + merge
 
 
+@functools.lru_cache(maxsize=1024)  # every argument is an int from shapes; ~135 us to evaluate at 256 blocks
 def choose_num_splits(*, max_splits: int, list_blocks: int, **work) -> int:
     """The split count of least modelled time (split_time_us over `work`), the fewest on a tie;
     at most one split per listed block."""
