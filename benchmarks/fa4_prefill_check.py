@@ -19,14 +19,14 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_sparse import timed  # noqa: E402
+from flash_attn_sparse.fa4 import import_cute  # noqa: E402  (flash-attn-4 beside the FA-2 wheel)
 
 BLOCK = 128
 
 
 def upstream_form_lists(batch: int, heads: int, seqlen: int):
     """flash-attn-4's BlockSparseTensorsTorch with every block of every 128-row tile full."""
-    from flash_attn.cute.block_sparsity import BlockSparseTensorsTorch
-
+    BlockSparseTensorsTorch = import_cute("block_sparsity").BlockSparseTensorsTorch
     blocks = seqlen // BLOCK
     shape = (batch, heads, blocks)
     ids = torch.arange(blocks, dtype=torch.int32, device="cuda").expand(*shape, blocks).contiguous()
@@ -45,7 +45,7 @@ def main():
     parser.add_argument("--seqlen", type=int, default=16384)
     parser.add_argument("--label", default="")
     args = parser.parse_args()
-    from flash_attn.cute import interface
+    interface = import_cute("interface")
 
     batch, heads, dim, seqlen = 1, 32, 128, args.seqlen
     g = torch.Generator(device="cuda").manual_seed(0)
