@@ -22,7 +22,8 @@
 # ncu-spec (the same for the union pass and the one-launch speculative call at B8 Sq16 1/16, the
 # kernels side by side: their difference is the one tile per list that crosses the diagonal).
 # fa4-prefill-check (benchmarks/fa4_prefill_check.py: FA-4 prefill with every block listed, dense,
-# upstream-form lists and this API, on this flash-attn-4 and on the pristine release if carried).
+# upstream-form lists and this API, on this flash-attn-4, on variant wheels in .carry/fa4variants/NAME/
+# and on the pristine release if carried in .carry/fa4pristine).
 #
 # The summary names the commit from .commit (git-ignored): `git rev-parse --short HEAD > .commit`
 # and carry it with the upstream cache, e.g. carry [".cache/upstream", ".commit"].
@@ -226,17 +227,22 @@ for s in $STEPS; do
         ncu_sass sparse-dense 1 --ncu-target "B1 Sq1" --ncu-dense ;;
     ncu-spec)  # the same for the union pass (launch 2) and the speculative call (launch 3), B8 Sq16 1/16
         ncu_sass spec 2 --ncu-target "B8 Sq16" --ncu-speculative ;;
-    fa4-prefill-check)  # benchmarks/fa4_prefill_check.py on this flash-attn-4, then on the pristine
-        # release if its wheel is carried in .carry/fa4pristine (`pip wheel --no-deps` of the upstream sdist)
+    fa4-prefill-check)  # benchmarks/fa4_prefill_check.py on this flash-attn-4, then on each wheel in
+        # .carry/fa4variants/NAME/ (label NAME) and on the pristine release if carried in
+        # .carry/fa4pristine (`pip wheel --no-deps` of the upstream sdist); each with its own kernel cache
         step fa4-prefill-check
-        timeout 150 python3 benchmarks/fa4_prefill_check.py > "$OUT/fa4-prefill-check.txt" 2>"$LOGS/fa4-prefill-check.log"
-        if ls .carry/fa4pristine/flash_attn_4-*.whl > /dev/null 2>&1; then
-            python3 -m pip install -q --no-deps --no-index --upgrade --target /tmp/cutedsl/site .carry/fa4pristine/flash_attn_4-*.whl \
-                && FLASH_ATTENTION_CUTE_DSL_CACHE_DIR=/tmp/cutedsl-cache-pristine timeout 150 python3 benchmarks/fa4_prefill_check.py --pristine \
-                    >> "$OUT/fa4-prefill-check.txt" 2>>"$LOGS/fa4-prefill-check.log"
-            python3 -m pip install -q --no-deps --no-index --upgrade --target /tmp/cutedsl/site "$(ls -t dist/flash_attn_4-*.whl | head -1)"
-        fi
-        note "fa4-prefill-check: $(grep -c ' ms ' "$OUT/fa4-prefill-check.txt") rows" ;;
+        check="$OUT/fa4-prefill-check.txt"
+        timeout 150 python3 benchmarks/fa4_prefill_check.py > "$check" 2>"$LOGS/fa4-prefill-check.log"
+        for wheel in .carry/fa4variants/*/flash_attn_4-*.whl .carry/fa4pristine/flash_attn_4-*.whl; do
+            [ -f "$wheel" ] || continue
+            name=$(basename "$(dirname "$wheel")"); flags="--label $name"
+            [ "$name" = fa4pristine ] && flags="--pristine"
+            python3 -m pip install -q --no-deps --no-index --upgrade --target /tmp/cutedsl/site "$wheel" \
+                && FLASH_ATTENTION_CUTE_DSL_CACHE_DIR=/tmp/cutedsl-cache-$name timeout 150 python3 benchmarks/fa4_prefill_check.py $flags \
+                    >> "$check" 2>>"$LOGS/fa4-prefill-check.log"
+        done
+        python3 -m pip install -q --no-deps --no-index --upgrade --target /tmp/cutedsl/site "$(ls -t dist/flash_attn_4-*.whl | head -1)"
+        note "fa4-prefill-check: $(grep -c ' ms ' "$check") rows" ;;
     fullbench)
         step fullbench
         timeout 900 python3 benchmarks/bench_sparse.py ${BENCH_METHODS:+--methods "$BENCH_METHODS"} --json "$OUT/bench.json" --markdown "$OUT/bench.md" > "$LOGS/bench.log" 2>&1
