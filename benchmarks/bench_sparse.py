@@ -92,17 +92,41 @@ def make_lists(shape, rng):
     return lists
 
 
+def make_causal_lists(shape, rng):
+    """Per-(batch, KV head, query tile) lists of a causal prefill: the tile's diagonal block as a
+    "mask" block, its earlier blocks drawn at the density as "full" ones. Returns (full, mask),
+    each [b][hk][m] sorted id lists."""
+    tiles = shape.seqlen_q // BLOCK
+    full = [[[sorted(rng.sample(range(m), round(m * shape.density))) for m in range(tiles)]
+             for _ in range(shape.heads_k)] for _ in range(shape.batch)]
+    mask = [[[[m] for m in range(tiles)] for _ in range(shape.heads_k)] for _ in range(shape.batch)]
+    return full, mask
+
+
 def to_blocks(lists, shape):
+    if shape.causal:
+        full, mask = lists
+        return SparseBlocks.from_lists(full, mask, block_size=BLOCK, q_block_size=BLOCK, device="cuda")
     return SparseBlocks.from_lists([[[l] for l in per_b] for per_b in lists], block_size=BLOCK, device="cuda")
 
 
 def counted_work(shape, lists):
-    """FLOPs of the listed (query, key) pairs and bytes of the listed K/V read once per KV head."""
-    keys = sum(len(l) for per_b in lists for l in per_b) * BLOCK  # over (batch, kv head)
+    """FLOPs of the listed (query, key) pairs and bytes of the listed K/V read once per KV head.
+    Causal: a diagonal block counts its BLOCK * (BLOCK + 1) / 2 unmasked pairs, and a K/V block
+    listed by several query tiles of a head is counted once."""
     group = shape.heads // shape.heads_k
+    qo_bytes = 2 * shape.batch * shape.seqlen_q * shape.heads * shape.head_dim * 2
+    if shape.causal:
+        full, mask = lists
+        pairs = sum(len(f) * BLOCK * BLOCK + len(d) * BLOCK * (BLOCK + 1) // 2
+                    for full_b, mask_b in zip(full, mask) for full_h, mask_h in zip(full_b, mask_b)
+                    for f, d in zip(full_h, mask_h))
+        keys = sum(len(set().union(*full_h, *mask_h)) for full_b, mask_b in zip(full, mask)
+                   for full_h, mask_h in zip(full_b, mask_b)) * BLOCK
+        return 4 * pairs * group * shape.head_dim, 2 * keys * shape.head_dim * 2 + qo_bytes
+    keys = sum(len(l) for per_b in lists for l in per_b) * BLOCK  # over (batch, kv head)
     flops = 4 * shape.seqlen_q * group * keys * shape.head_dim
     kv_bytes = 2 * keys * shape.head_dim * 2
-    qo_bytes = 2 * shape.batch * shape.seqlen_q * shape.heads * shape.head_dim * 2
     return flops, kv_bytes + qo_bytes
 
 
@@ -110,6 +134,8 @@ def flex_block_mask(lists, shape):
     """A FlexAttention BlockMask of the same lists (every query block of a sequence uses its
     (batch, K/V head) list), all as full blocks: no mask_mod work."""
     from torch.nn.attention.flex_attention import BlockMask
+    if shape.causal:
+        return flex_causal_block_mask(lists, shape)
     n_blocks = shape.seqlen_k // BLOCK
     q_blocks = -(-shape.seqlen_q // BLOCK)
     group = shape.heads // shape.heads_k
@@ -123,6 +149,30 @@ def flex_block_mask(lists, shape):
     idx = idx.repeat_interleave(group, dim=1).expand(-1, -1, q_blocks, -1).contiguous().cuda()
     return BlockMask.from_kv_blocks(torch.zeros_like(counts), torch.zeros_like(idx), counts, idx,
                                     BLOCK_SIZE=(BLOCK, BLOCK), seq_lengths=(shape.seqlen_q, shape.seqlen_k))
+
+
+def flex_causal_block_mask(lists, shape):
+    """The causal lists as a FlexAttention BlockMask: their "full" blocks as full blocks, the
+    diagonal ("mask") blocks as partial blocks under a causal mask_mod."""
+    from torch.nn.attention.flex_attention import BlockMask
+    full, mask = lists
+    tiles, n_blocks, group = shape.seqlen_q // BLOCK, shape.seqlen_k // BLOCK, shape.heads // shape.heads_k
+
+    def table(rows):
+        counts = torch.zeros(shape.batch, shape.heads_k, tiles, dtype=torch.int32)
+        idx = torch.zeros(shape.batch, shape.heads_k, tiles, n_blocks, dtype=torch.int32)
+        for b, per_b in enumerate(rows):
+            for h, per_h in enumerate(per_b):
+                for m, ids in enumerate(per_h):
+                    counts[b, h, m] = len(ids)
+                    idx[b, h, m, :len(ids)] = torch.tensor(ids, dtype=torch.int32)
+        return (counts.repeat_interleave(group, dim=1).contiguous().cuda(),
+                idx.repeat_interleave(group, dim=1).contiguous().cuda())
+
+    def causal(b, h, q_idx, kv_idx):
+        return q_idx >= kv_idx
+    return BlockMask.from_kv_blocks(*table(mask), *table(full), BLOCK_SIZE=(BLOCK, BLOCK), mask_mod=causal,
+                                    seq_lengths=(shape.seqlen_q, shape.seqlen_k))
 
 
 def rotating(calls):
@@ -162,7 +212,7 @@ def random_inputs(shape, seed=0):
 def rotated_list_sets(shape):
     """ROTATIONS list sets of the shape; calls rotate through them (see rotating)."""
     rng = random.Random(0)
-    return [make_lists(shape, rng) for _ in range(ROTATIONS)]
+    return [(make_causal_lists if shape.causal else make_lists)(shape, rng) for _ in range(ROTATIONS)]
 
 
 class SpeculativeInputs(NamedTuple):
@@ -280,7 +330,7 @@ def bench_shape(shape, roofline, rows, methods):
             add(name, rotating([lambda t=t: cute.flash_attn_func(q, k, v, causal=shape.causal, block_sparse_tensors=t,
                                                                  return_lse=True, num_splits=splits) for t in tensors]),
                 f"CuTe-DSL kernel, lists in its form, {tile or '128'}-row tiles, {splits} splits")
-    if "speculative" in methods and shape.density < 1:
+    if "speculative" in methods and shape.density < 1 and not shape.causal:
         # The same union of blocks as a speculative set (the last 4 blocks, "mask" blocks) plus
         # the missed set, one pass (zero-copy form) and two passes + combine (gathered form).
         for name, call in speculative_calls(shape, q, k, v, list_sets).items():
@@ -306,9 +356,10 @@ def bench_shape(shape, roofline, rows, methods):
 
 DECODE = [Shape(f"decode B8 Sq{sq} H32/8 Sk32k", 8, sq, 32768, 32, 8, d) for sq in (16, 1) for d in (1.0, 1 / 4, 1 / 16)] + \
          [Shape("decode B1 Sq1 H32/8 Sk128k", 1, 1, 131072, 32, 8, d) for d in (1.0, 1 / 4, 1 / 16)]
-# Non-causal only: a causal sparse prefill needs per-query-tile lists with "mask" blocks on the
-# diagonal, which this benchmark does not build yet.
-PREFILL = [Shape("prefill B1 S16k H32 full", 1, 16384, 16384, 32, 32, d) for d in (1.0, 1 / 4, 1 / 16)]
+# Non-causal: one list per (batch, K/V head) for every query row; causal: per query tile, the
+# diagonal block as a "mask" block and earlier blocks at the density (make_causal_lists).
+PREFILL = [Shape("prefill B1 S16k H32 full", 1, 16384, 16384, 32, 32, d) for d in (1.0, 1 / 4, 1 / 16)] + \
+          [Shape("prefill B1 S16k H32 causal", 1, 16384, 16384, 32, 32, d, causal=True) for d in (1.0, 1 / 4, 1 / 16)]
 # Where the FA-4 backend overtakes FA-2 as query rows grow (auto's FA4_MIN_QUERY_ROWS).
 CROSSOVER = [Shape(f"crossover B1 Sq{sq} H32/8 Sk16k", 1, sq, 16384, 32, 8, d, only=("fa2_sparse", "fa4_sparse", "auto"))
              for sq in (64, 256, 512, 1024, 2048, 4096) for d in (1 / 4, 1 / 16)]
