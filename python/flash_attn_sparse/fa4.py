@@ -224,19 +224,21 @@ def rows_per_tile(q: Tensor, k: Tensor, blocks: SparseBlocks, *, max_seqlen_q: i
     return min(TILE_ROWS, max_seqlen_q * _packed(q, k, blocks)[1])
 
 
-# FA-4's split-KV cost model, fitted to run 55's sweep (H200, graph time against blocks per list
-# for 1-8 splits at B8 and B1 decode, benchmarks/profile_decode.py --backend fa4): one CTA walks
-# its list at ~66 GB/s (one 128-key K/V block pair of d128 per ~1 us, whatever the CTA count up to
+# FA-4's split-KV cost model, fitted to run 55's sweep and refitted to run 60's (H200, graph time
+# against blocks per list for 1-8 splits at B8 and B1 decode, benchmarks/profile_decode.py
+# --backend fa4; benchmarks/fit_split_model.py picks each table's split count from the model and
+# reports how far that is from the measured best: 0% on run 60's 27 points): one CTA walks its
+# list at ~62 GB/s (one 128-key K/V block pair of d128 per ~1.06 us, whatever the CTA count up to
 # ~64), all CTAs together at ~4.4 TB/s, and splitting costs the combine launch plus the fp32
 # partials written and read. A CTA's block also takes its tile's matmuls at about the per-SM
 # share of flash-attn-4's dense prefill rate (652 TFLOP/s / 132 SMs, DESIGN 7): 1.7 us for a
 # 128-row tile, more than its bytes, so query tiles of a few hundred rows still split.
 # Upstream's wave heuristic split B8 Sq16 1/16 in two, 27.5 us where one split takes 23.6: 64
 # CTAs already stream at full bandwidth there, so the merge was pure cost.
-CTA_READ_BYTES_PER_US = 66e3
+CTA_READ_BYTES_PER_US = 62e3
 CTA_FLOP_PER_US = 4.9e6
 HBM_READ_BYTES_PER_US = 4.4e6
-SPLIT_MERGE_US = 3.5
+SPLIT_MERGE_US = 3.0
 
 
 def split_time_us(splits: int, *, tiles: int, list_blocks: int, block_bytes: int, block_flops: int,
