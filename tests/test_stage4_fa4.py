@@ -276,6 +276,7 @@ def test_auto_routing():
     assert fas.choose_backend(q, k, v, dense(4096))[0] == "fa4"
     assert fas.choose_backend(q, k, v, dense(4096), num_splits=2)[0] == "fa4"  # it splits fixed-length calls
     assert fas.choose_backend(q, k, v, dense(4096, 256), block_size=256)[0] == "fa2"
+    assert fas.choose_backend(q, k, v, dense(4096), causal=True, softmax_scale=0.1) == fas.choose_backend(q, k, v, dense(4096))
     with pytest.raises(SparseInputError, match="^backend"):
         fas.choose_backend(q, k, v, dense(4096, 256), block_size=256, backend="fa4")
     page_table = torch.arange(32, dtype=torch.int32, device="cuda").view(1, 32)

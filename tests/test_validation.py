@@ -224,6 +224,15 @@ def test_valid_lists_pass_full_validation_before_the_device_check():
         fas.flash_attn_with_sparse_block_table(q, k, v, causal_ok, causal=True, validate="full")
 
 
+@pytest.mark.parametrize("choose", [fas.choose_backend, fas.choose_num_splits_for])
+def test_choosers_take_the_call_options(choose):
+    """choose_backend and choose_num_splits_for accept what the call takes (causal and
+    softmax_scale included) and check it as the call does: here up to the device check."""
+    q, k, v = qkv()
+    with pytest.raises(SparseInputError, match="^q: must be on a CUDA device"):
+        choose(q, k, v, table(0, 2, 5), causal=True, softmax_scale=0.1, seqused_k=None)
+
+
 @pytest.mark.parametrize("page_size,block_size", [(16, 128), (64, 64), (256, 64), (48, 16)])
 def test_valid_paged_calls_pass_every_check_before_the_device_check(page_size, block_size):
     """Pages of any size that divides or is a multiple of the block size, an unrelated number of

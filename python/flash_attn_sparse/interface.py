@@ -457,11 +457,13 @@ def flash_attn_varlen_with_sparse_blocks(q: Tensor, k: Tensor, v: Tensor, cu_seq
     return call.run()
 
 
-def _call_to_choose_for(q, k, v, blocks: BlockTable, block_size: int, **options) -> _Call:
+def _call_to_choose_for(q, k, v, blocks: BlockTable, block_size: int, *, causal: bool = False,
+                        softmax_scale: Optional[float] = None, **options) -> _Call:
     """The _Call that flash_attn_with_sparse_block_table, or with cu_seqlens_q in options
     flash_attn_varlen_with_sparse_blocks, would make: what the choose_* functions ask."""
     batch = q.shape[0] if isinstance(q, Tensor) and q.dim() == 4 and "cu_seqlens_q" not in options else 1
-    return _Call(q, k, v, _as_blocks(blocks, block_size, batch, "blocks"), causal=False, softmax_scale=None, **options)
+    return _Call(q, k, v, _as_blocks(blocks, block_size, batch, "blocks"), causal=causal, softmax_scale=softmax_scale,
+                 **options)
 
 
 def choose_num_splits_for(q: Tensor, k: Tensor, v: Tensor, blocks: BlockTable, block_size: int = 128,
@@ -476,7 +478,8 @@ def choose_backend(q: Tensor, k: Tensor, v: Tensor, blocks: BlockTable, block_si
                    num_splits: int = 0, backend: str = "auto", **options) -> Tuple[str, str]:
     """(backend, why) that flash_attn_with_sparse_block_table would use for these arguments, or,
     given cu_seqlens_q, cu_seqlens_k, max_seqlen_q and max_seqlen_k as keywords,
-    flash_attn_varlen_with_sparse_blocks. options also takes seqused_k and page_table. Never syncs."""
+    flash_attn_varlen_with_sparse_blocks. options also takes causal, softmax_scale, seqused_k and
+    page_table. Never syncs."""
     return _call_to_choose_for(q, k, v, blocks, block_size, num_splits=num_splits, backend=backend,
                                **options).backend()
 
