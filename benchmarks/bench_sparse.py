@@ -314,7 +314,7 @@ def bench_shape(shape, roofline, rows, methods):
         for splits in (1, 2, 4, 8, 16):
             add(f"fa4_sparse splits={splits}", ours("fa4", splits))
     if "auto" in methods and not fa4_missing:
-        add("auto", ours("auto"), f"chose {fas.choose_backend(q, k, v, blocks[0])[0]}")
+        add("auto", ours("auto"), f"chose {fas.choose_backend(q, k, v, blocks[0], causal=shape.causal)[0]}")
     if "fa4_direct" in methods and not fa4_missing:
         # flash-attn-4's kernel called directly on lists already in its form, at the API's split
         # count: the floor of the fa4 backend, whose API call adds its Python (the batched lists
