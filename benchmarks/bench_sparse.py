@@ -130,49 +130,35 @@ def counted_work(shape, lists):
     return flops, kv_bytes + qo_bytes
 
 
+def flex_kv_tables(rows, shape):
+    """(counts, ids) in FlexAttention's kv-block layout for lists rows[b][hk][m], one copy per query
+    head of a K/V head, on the GPU."""
+    tiles, n_blocks, group = len(rows[0][0]), shape.seqlen_k // BLOCK, shape.heads // shape.heads_k
+    counts = torch.zeros(shape.batch, shape.heads_k, tiles, dtype=torch.int32)
+    idx = torch.zeros(shape.batch, shape.heads_k, tiles, n_blocks, dtype=torch.int32)
+    for b, per_b in enumerate(rows):
+        for h, per_h in enumerate(per_b):
+            for m, ids in enumerate(per_h):
+                counts[b, h, m] = len(ids)
+                idx[b, h, m, :len(ids)] = torch.tensor(ids, dtype=torch.int32)
+    return counts.repeat_interleave(group, dim=1).cuda(), idx.repeat_interleave(group, dim=1).cuda()
+
+
 def flex_block_mask(lists, shape):
-    """A FlexAttention BlockMask of the same lists (every query block of a sequence uses its
-    (batch, K/V head) list), all as full blocks: no mask_mod work."""
+    """A FlexAttention BlockMask of the same lists. Non-causal: every query block of a sequence
+    uses its (batch, K/V head) list, all as full blocks (no mask_mod work). Causal: the "full"
+    blocks as full blocks, the diagonal ("mask") blocks as partial blocks under a causal mask_mod."""
     from torch.nn.attention.flex_attention import BlockMask
     if shape.causal:
-        return flex_causal_block_mask(lists, shape)
-    n_blocks = shape.seqlen_k // BLOCK
+        full, mask = lists
+        return BlockMask.from_kv_blocks(*flex_kv_tables(mask, shape), *flex_kv_tables(full, shape),
+                                        BLOCK_SIZE=(BLOCK, BLOCK), mask_mod=lambda b, h, q_idx, kv_idx: q_idx >= kv_idx,
+                                        seq_lengths=(shape.seqlen_q, shape.seqlen_k))
     q_blocks = -(-shape.seqlen_q // BLOCK)
-    group = shape.heads // shape.heads_k
-    counts = torch.zeros(shape.batch, shape.heads_k, 1, dtype=torch.int32)
-    idx = torch.zeros(shape.batch, shape.heads_k, 1, n_blocks, dtype=torch.int32)
-    for b, per_b in enumerate(lists):
-        for h, l in enumerate(per_b):
-            counts[b, h, 0] = len(l)
-            idx[b, h, 0, :len(l)] = torch.tensor(l, dtype=torch.int32)
-    counts = counts.repeat_interleave(group, dim=1).expand(-1, -1, q_blocks).contiguous().cuda()
-    idx = idx.repeat_interleave(group, dim=1).expand(-1, -1, q_blocks, -1).contiguous().cuda()
+    counts, idx = flex_kv_tables([[[l] for l in per_b] for per_b in lists], shape)
+    counts, idx = counts.expand(-1, -1, q_blocks).contiguous(), idx.expand(-1, -1, q_blocks, -1).contiguous()
     return BlockMask.from_kv_blocks(torch.zeros_like(counts), torch.zeros_like(idx), counts, idx,
                                     BLOCK_SIZE=(BLOCK, BLOCK), seq_lengths=(shape.seqlen_q, shape.seqlen_k))
-
-
-def flex_causal_block_mask(lists, shape):
-    """The causal lists as a FlexAttention BlockMask: their "full" blocks as full blocks, the
-    diagonal ("mask") blocks as partial blocks under a causal mask_mod."""
-    from torch.nn.attention.flex_attention import BlockMask
-    full, mask = lists
-    tiles, n_blocks, group = shape.seqlen_q // BLOCK, shape.seqlen_k // BLOCK, shape.heads // shape.heads_k
-
-    def table(rows):
-        counts = torch.zeros(shape.batch, shape.heads_k, tiles, dtype=torch.int32)
-        idx = torch.zeros(shape.batch, shape.heads_k, tiles, n_blocks, dtype=torch.int32)
-        for b, per_b in enumerate(rows):
-            for h, per_h in enumerate(per_b):
-                for m, ids in enumerate(per_h):
-                    counts[b, h, m] = len(ids)
-                    idx[b, h, m, :len(ids)] = torch.tensor(ids, dtype=torch.int32)
-        return (counts.repeat_interleave(group, dim=1).contiguous().cuda(),
-                idx.repeat_interleave(group, dim=1).contiguous().cuda())
-
-    def causal(b, h, q_idx, kv_idx):
-        return q_idx >= kv_idx
-    return BlockMask.from_kv_blocks(*table(mask), *table(full), BLOCK_SIZE=(BLOCK, BLOCK), mask_mod=causal,
-                                    seq_lengths=(shape.seqlen_q, shape.seqlen_k))
 
 
 def rotating(calls):

@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_sparse import timed  # noqa: E402
+from bench_sparse import Shape, random_inputs, timed  # noqa: E402
 from flash_attn_sparse.fa4 import import_cute  # noqa: E402  (flash-attn-4 beside the FA-2 wheel)
 
 BLOCK = 128
@@ -48,8 +48,7 @@ def main():
     interface = import_cute("interface")
 
     batch, heads, dim, seqlen = 1, 32, 128, args.seqlen
-    g = torch.Generator(device="cuda").manual_seed(0)
-    q, k, v = (torch.randn(batch, seqlen, heads, dim, device="cuda", generator=g).bfloat16() for _ in range(3))
+    q, k, v = random_inputs(Shape("prefill", batch, seqlen, seqlen, heads, heads, 1.0, head_dim=dim))
     flops = 4 * batch * heads * seqlen * seqlen * dim
     lists = upstream_form_lists(batch, heads, seqlen)
 

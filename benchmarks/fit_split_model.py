@@ -45,9 +45,8 @@ def read_tables(path: Path) -> dict:
 def work(shape: str, blocks: int) -> dict:
     """The model's arguments for a decode shape, as interface._Call.fa4_num_splits builds them."""
     batch, rows, heads, heads_k = SHAPES[shape]
-    return dict(tiles=batch * heads_k, list_blocks=blocks, block_bytes=2 * BLOCK * HEAD_DIM * 2,
-                block_flops=4 * fa4.SMALL_TILE_ROWS * BLOCK * HEAD_DIM,
-                partial_bytes=batch * rows * heads * (HEAD_DIM + 1) * 4, num_sms=NUM_SMS)
+    return fa4.split_work(tiles=batch * heads_k, list_blocks=blocks, batch=batch, seqlen_q=rows, heads=heads,
+                          head_dim=HEAD_DIM, block_size=BLOCK, element_size=2, small_tile=True, num_sms=NUM_SMS)
 
 
 def regrets(tables: dict) -> list:

@@ -71,8 +71,9 @@ def test_decode_tile_constants_match_the_kernel_rule():
 
 def _fa4_work(tiles, list_blocks, batch, seqlen_q, tile_rows):
     """FA-4's split inputs for H32 d128 bf16 with 128-key blocks on 132 SMs (fa4_num_splits)."""
-    return dict(tiles=tiles, list_blocks=list_blocks, block_bytes=2 * 128 * 128 * 2, block_flops=4 * tile_rows * 128 * 128,
-                partial_bytes=batch * seqlen_q * 32 * 129 * 4, num_sms=132)
+    from flash_attn_sparse import fa4
+    return fa4.split_work(tiles=tiles, list_blocks=list_blocks, batch=batch, seqlen_q=seqlen_q, heads=32, head_dim=128,
+                          block_size=128, element_size=2, small_tile=tile_rows == fa4.SMALL_TILE_ROWS, num_sms=132)
 
 
 @pytest.mark.parametrize("tiles,list_blocks,batch,seqlen_q,tile_rows,expected", [

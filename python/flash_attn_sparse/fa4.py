@@ -33,6 +33,7 @@ from typing import Optional, Tuple
 import torch
 from torch import Tensor
 
+from .builders import _PAST_EVERY_ID
 from .metadata import SparseBlocks, cdiv
 
 BLOCK_SIZES = (64, 128)
@@ -42,7 +43,6 @@ TILE_ROWS = 128  # query rows of its SM90 tile at these head dims
 SMALL_TILE_ROWS = 64  # ... or of its one-warpgroup tile, which decode calls take (small_tile)
 SPLIT_KV_UNSUPPORTED = ("split-KV runs on fixed-length calls only (varlen splits would need the per-sequence "
                         "split counts of flash-attn-4's varlen scheduler, which its SM90 kernel does not read)")
-_PAST_EVERY_ID = torch.iinfo(torch.int32).max
 
 
 def import_cute(module: str):
@@ -252,6 +252,15 @@ def split_time_us(splits: int, *, tiles: int, list_blocks: int, block_bytes: int
     stream = tiles * list_blocks * block_bytes / HBM_READ_BYTES_PER_US
     merge = 0.0 if splits == 1 else SPLIT_MERGE_US + 2 * splits * partial_bytes / HBM_READ_BYTES_PER_US
     return max(chain, stream) + merge
+
+
+def split_work(*, tiles: int, list_blocks: int, batch: int, seqlen_q: int, heads: int, head_dim: int,
+               block_size: int, element_size: int, small_tile: bool, num_sms: int) -> dict:
+    """split_time_us's work for one call: its tiles, longest list, one K/V block's bytes and one
+    tile's matmuls per block, and one split's fp32 partials (O and LSE of every query row)."""
+    return dict(tiles=tiles, list_blocks=max(list_blocks, 1), block_bytes=2 * block_size * head_dim * element_size,
+                block_flops=4 * (SMALL_TILE_ROWS if small_tile else TILE_ROWS) * block_size * head_dim,
+                partial_bytes=batch * seqlen_q * heads * (head_dim + 1) * 4, num_sms=num_sms)
 
 
 @functools.lru_cache(maxsize=1024)  # every argument is an int from shapes; ~135 us to evaluate at 256 blocks

@@ -344,14 +344,12 @@ class _Call:
             return 1  # see fa4.SPLIT_KV_UNSUPPORTED
         if self.requested_splits:
             return self.requested_splits
-        head_dim, element, block = self.q.shape[-1], self.q.element_size(), self.blocks.block_size
-        small = fa4.small_tile(self.q, self.k, self.blocks, max_seqlen_q=self.max_seqlen_q)
-        return fa4.choose_num_splits(
+        return fa4.choose_num_splits(max_splits=MAX_SPLITS, **fa4.split_work(
             tiles=fa4.tiles(self.q, self.k, self.blocks, batch=self.batch, max_seqlen_q=self.max_seqlen_q),
-            list_blocks=max(self.max_list_length(), 1), block_bytes=2 * block * head_dim * element,
-            block_flops=4 * (fa4.SMALL_TILE_ROWS if small else fa4.TILE_ROWS) * block * head_dim,
-            partial_bytes=self.batch * self.max_seqlen_q * self.q.shape[-2] * (head_dim + 1) * 4,
-            num_sms=_num_sms(self.q.device.index or 0), max_splits=MAX_SPLITS)
+            list_blocks=self.max_list_length(), batch=self.batch, seqlen_q=self.max_seqlen_q, heads=self.q.shape[-2],
+            head_dim=self.q.shape[-1], block_size=self.blocks.block_size, element_size=self.q.element_size(),
+            small_tile=fa4.small_tile(self.q, self.k, self.blocks, max_seqlen_q=self.max_seqlen_q),
+            num_sms=_num_sms(self.q.device.index or 0)))
 
     def backend(self) -> Tuple[str, str]:
         """(backend, why): the requested one, or auto's choice. A requested "fa4" that cannot
