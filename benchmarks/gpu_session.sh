@@ -107,10 +107,11 @@ else
 fi
 rm -rf /tmp/site && python3 -m pip install -q --no-deps --no-index --target /tmp/site "$wheel" || { note "install: FAILED"; exit 1; }
 export PYTHONPATH=${SOURCE_PYTHON:+$SOURCE_PYTHON:}${CUTEDSL_PATH:+$CUTEDSL_PATH:}/tmp/site
+# A flash-attn-4 wheel laid over the runtime's (this build's, or a variant's in fa4-prefill-check).
+lay_fa4_wheel() { python3 -m pip install -q --no-deps --no-index --upgrade --target /tmp/cutedsl/site "$1"; }
+fa4_wheel=$(ls -t dist/flash_attn_4-*.whl 2>/dev/null | head -1)
 if [ -n "$CUTEDSL_PATH" ]; then  # flash-attn-4 with the stage-4 patches over upstream's
-    fa4_wheel=$(ls -t dist/flash_attn_4-*.whl | head -1)
-    python3 -m pip install -q --no-deps --no-index --upgrade --target /tmp/cutedsl/site "$fa4_wheel" \
-        && note "flash-attn-4: $(basename "$fa4_wheel")" || note "flash-attn-4 install: FAILED"
+    lay_fa4_wheel "$fa4_wheel" && note "flash-attn-4: $(basename "$fa4_wheel")" || note "flash-attn-4 install: FAILED"
 fi
 python3 -c "import flash_attn_sparse.fa4 as f; print('FA-4 backend:', f.missing_runtime() or 'available')" 2>&1 | tail -1 | tee -a "$SUMMARY"
 if [ -n "$CUTEDSL_PATH" ]; then  # where the CuTe-DSL pieces come from, and any import error in full
@@ -233,15 +234,15 @@ for s in $STEPS; do
         step fa4-prefill-check
         check="$OUT/fa4-prefill-check.txt"
         timeout 150 python3 benchmarks/fa4_prefill_check.py > "$check" 2>"$LOGS/fa4-prefill-check.log"
-        for wheel in .carry/fa4variants/*/flash_attn_4-*.whl .carry/fa4pristine/flash_attn_4-*.whl; do
-            [ -f "$wheel" ] || continue
-            name=$(basename "$(dirname "$wheel")"); flags="--label $name"
+        for other_fa4 in .carry/fa4variants/*/flash_attn_4-*.whl .carry/fa4pristine/flash_attn_4-*.whl; do
+            [ -f "$other_fa4" ] || continue
+            name=$(basename "$(dirname "$other_fa4")"); flags="--label $name"
             [ "$name" = fa4pristine ] && flags="--pristine"
-            python3 -m pip install -q --no-deps --no-index --upgrade --target /tmp/cutedsl/site "$wheel" \
+            lay_fa4_wheel "$other_fa4" \
                 && FLASH_ATTENTION_CUTE_DSL_CACHE_DIR=/tmp/cutedsl-cache-$name timeout 150 python3 benchmarks/fa4_prefill_check.py $flags \
                     >> "$check" 2>>"$LOGS/fa4-prefill-check.log"
         done
-        python3 -m pip install -q --no-deps --no-index --upgrade --target /tmp/cutedsl/site "$(ls -t dist/flash_attn_4-*.whl | head -1)"
+        lay_fa4_wheel "$fa4_wheel"
         note "fa4-prefill-check: $(grep -c ' ms ' "$check") rows" ;;
     fullbench)
         step fullbench
