@@ -13,8 +13,9 @@ the heuristic's pick (num_splits=0), to check the heuristic against the measured
 the union pass and the one-launch speculative call alternate (union first), so that launches
 2 and 3 are one of each.
 
---backend fa4 profiles the sparse calls on flash-attn-4's SM90 kernel instead (the speculative
-rows stay FA-2's; ncu then needs `-k regex:FlashAttentionForwardSm90`).
+--backend fa4 profiles the sparse calls on flash-attn-4's SM90 kernel instead (the union row
+stays FA-2's and the speculative forms take auto's backend, as bench_sparse's speculative_calls
+builds them; ncu then needs `-k regex:FlashAttentionForwardSm90`).
 """
 
 import argparse
