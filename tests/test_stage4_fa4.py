@@ -246,14 +246,16 @@ def test_varlen_ragged_batch(dtype, block_size, causal, num_splits):
     (256, 4, 4, 3),   # the clamped counts are what the splits share
     (16, 8, 2, 2),    # decode: packed query heads in the 64-row tile, per-K/V-head lists
 ])
-def test_bad_lists_skip_like_fa2(seqlen_q, heads, heads_k, num_splits):
+@pytest.mark.parametrize("seqlen_k", [1000, 1024])  # a partial tail block, or none
+def test_bad_lists_skip_like_fa2(seqlen_q, heads, heads_k, num_splits, seqlen_k):
     """Counts past the list and ids outside the sequence count for nothing, as the FA-2 kernels
-    skip them, and the partial tail block may come first: both backends give attention over the
-    valid entries. FA-4 gets the lists as they are (patch flash-attn-4/0004)."""
+    skip them, and the partial tail block may come first or in the middle: both backends give
+    attention over the valid entries. FA-4 gets the lists as they are (patch flash-attn-4/0004);
+    a tile whose full list names neither runs the unmasked loop (0007), the others the masked."""
     _needs_fa4()
     g = torch.Generator(device="cuda").manual_seed(7)
-    q, k, v = random_qkv(1, seqlen_q, 1000, heads, heads_k, 128, torch.bfloat16, generator=g)
-    rows = [[7, 3, -1, 12, 0, 5], [1, 2, 3, 4, 5, 6], [0, 99, 2, 7, 1, 3], [6, 5, 4, 3, 2, 1]][:heads_k]
+    q, k, v = random_qkv(1, seqlen_q, seqlen_k, heads, heads_k, 128, torch.bfloat16, generator=g)
+    rows = [[7, 3, -1, 12, 0, 5], [1, 2, 7, 4, 5, 6], [0, 99, 2, 7, 1, 3], [6, 5, 4, 3, 2, 1]][:heads_k]
     idx = torch.tensor([[[row] for row in rows]], dtype=torch.int32, device="cuda")
     cnt = torch.tensor([[[6], [9], [3], [0]][:heads_k]], dtype=torch.int32, device="cuda")
     blocks = SparseBlocks(cnt, idx, block_size=128)
@@ -263,7 +265,7 @@ def test_bad_lists_skip_like_fa2(seqlen_q, heads, heads_k, num_splits):
     assert max_err(lse, lse_fa2) <= 1e-3 and max_err(out, out_fa2) <= 2e-2
     valid = [[i for i in row[:int(c)] if 0 <= i < 8] for row, c in zip(rows, cnt[0, :, 0].tolist())]
     visible = visibility_from_lists([[r] for r in valid], [[[]] for _ in valid], 128, blocks.resolved_q_block_size(seqlen_q),
-                                    seqlen_q, 1000, heads, causal=False, device="cuda")
+                                    seqlen_q, seqlen_k, heads, causal=False, device="cuda")
     assert_close_to_reference(out, lse, q, k, v, visible)
 
 
