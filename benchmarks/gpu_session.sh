@@ -7,7 +7,7 @@
 #
 # Steps: tests (all GPU tests), mutation (V steps densely: the permuted-list tests must fail),
 # bench (benchmarks/bench_sparse.py on $BENCH_SHAPES), fullbench (the whole matrix), fa4 (the
-# stage-4 tests), crossover (FA-2 vs FA-4 as query rows grow), sanitize, reliability, profile
+# stage-4 tests), pytest (the GPU tests in $PYTEST_ARGS), crossover (FA-2 vs FA-4 as query rows grow), sanitize, reliability, profile
 # (benchmarks/profile_decode.py, then ncu on the decode kernels unless PROFILE_NCU=0), variants
 # (each diff in $VARIANTS, an experiment over this commit's patched tree, built as a mutant
 # wheel, then its GPU tests and profile_decode: a same-run comparison with the profile step;
@@ -123,7 +123,7 @@ tar cf "$OUT/dist-wheel.tar" -C "$(dirname "$wheel")" "$(basename "$wheel")"  # 
 run_tests() {  # name, pytest args...
     local name=$1; shift
     step "pytest $name"
-    timeout 900 python3 -m pytest -p no:cacheprovider -q -rfE --junitxml="$LOGS/junit-$name.xml" "$@" > "$LOGS/pytest-$name.log" 2>&1
+    timeout "${PYTEST_TIMEOUT:-900}" python3 -m pytest -p no:cacheprovider -q -rfE --junitxml="$LOGS/junit-$name.xml" "$@" > "$LOGS/pytest-$name.log" 2>&1
     note "pytest $name: $(tail -1 "$LOGS/pytest-$name.log")"
 }
 
@@ -142,6 +142,8 @@ for s in $STEPS; do
     case $s in
     tests)
         run_tests gpu tests -m "gpu" ;;
+    pytest)  # the GPU tests chosen by $PYTEST_ARGS (files, -k), within $PYTEST_TIMEOUT seconds (default 900)
+        run_tests subset -m "gpu" $PYTEST_ARGS ;;
     mutation)
         step mutation
         PYTHONPATH=python python3 -m forktools build --profile dev --jobs "$(nproc)" \
