@@ -4,8 +4,8 @@ flash-attn-4 (imported as `flash_attn.cute`, the `[hopper]` extra) already walks
 "mask"/"full" block lists on SM90 with TMA and WGMMA. Upstream's contract is narrower than this
 project's (the partial tail block last in its list, every id in range, counts within the row);
 patch flash-attn-4/0004 widens its SM90 kernel to ours instead (counts clamped to the row, an id
-out of range read as the block past the end, the sequence-end mask on every listed block), so
-`block_sparse_tensors`
+out of range read as the block past the end, the sequence-end mask on every block of a list that
+names the tail block or such an id: 0007), so `block_sparse_tensors`
 - passes batched tables as views, trimmed to ceil(seqlen_q / q_block_size) rows as it requires,
   with no launch before the kernel (decode calls are a few microseconds long);
 - keeps per-K/V-head lists as they are: flash-attn-4 (stage 4) then packs the query heads of a
