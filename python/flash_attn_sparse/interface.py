@@ -17,10 +17,10 @@ BACKENDS = ("auto", "fa2", "fa4")
 # auto sends a fixed-length call to the Hopper (FA-4) backend when the query heads of a K/V head
 # share its tiles (GQA packing: shared or per-K/V-head lists), or when its 128-row tiles hold at
 # least FA4_MIN_TILE_ROWS query rows. Both backends split the lists; since patch flash-attn-4/0004
-# the FA-4 API costs what its kernel costs; through this rule (run 59, H200) packed decode on
-# FA-4 vs FA-2: B8 Sq1 H32/8 1/16 22.0 vs 24.1 us, B1 Sq1 128k 15.7 vs 16.1, every block 0.249 vs
-# 0.249 ms, but B8 Sq1 1/4 72.9 vs 70.5 us (the one point FA-2 wins); ahead at B8 Sq16 and every
-# crossover point (run 56). Unpacked calls with fewer rows (per
+# the FA-4 API costs what its kernel costs; through this rule (run 68, H200) packed decode on
+# FA-4 vs FA-2: B8 Sq1 H32/8 1/16 20.9 vs 24.1 us, 1/4 68.8 vs 70.5, every block 0.245 vs 0.249
+# ms; B1 Sq1 128k 15.4 vs 16.1, but 1/4 40.2 vs 39.9 and every block 0.134 vs 0.132 (FA-2 ahead
+# by 1%); ahead at B8 Sq16 and every crossover point (run 56). Unpacked calls with fewer rows (per
 # query head lists at decode) were not timed on FA-4 and stay on FA-2. A varlen call goes
 # to FA-4 when its tiles are full and keep most of the GPU busy without splitting (FA-4 cannot
 # split varlen calls): at least FA4_MIN_QUERY_ROWS rows per sequence and tiles for
