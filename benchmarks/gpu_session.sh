@@ -5,9 +5,9 @@
 #
 #   STEPS="tests mutation bench" bash benchmarks/gpu_session.sh
 #
-# Steps: tests (all GPU tests), mutation (V steps densely: the permuted-list tests must fail),
+# Steps: tests (all GPU tests, or the files / -k in $PYTEST_ARGS), mutation (V steps densely: the permuted-list tests must fail),
 # bench (benchmarks/bench_sparse.py on $BENCH_SHAPES), fullbench (the whole matrix), fa4 (the
-# stage-4 tests), pytest (the GPU tests in $PYTEST_ARGS), crossover (FA-2 vs FA-4 as query rows grow), sanitize, reliability, profile
+# stage-4 tests), crossover (FA-2 vs FA-4 as query rows grow), sanitize, reliability, profile
 # (benchmarks/profile_decode.py, then ncu on the decode kernels unless PROFILE_NCU=0), variants
 # (each diff in $VARIANTS, an experiment over this commit's patched tree, built as a mutant
 # wheel, then its GPU tests and profile_decode: a same-run comparison with the profile step;
@@ -140,10 +140,8 @@ ncu_sass() {  # name, kernels to profile, profile_decode.py args...: ncu --set f
 
 for s in $STEPS; do
     case $s in
-    tests)
-        run_tests gpu tests -m "gpu" ;;
-    pytest)  # the GPU tests chosen by $PYTEST_ARGS (files, -k), within $PYTEST_TIMEOUT seconds (default 900)
-        run_tests subset -m "gpu" $PYTEST_ARGS ;;
+    tests)  # every GPU test, or those $PYTEST_ARGS names (files, -k), within $PYTEST_TIMEOUT s (default 900)
+        run_tests gpu -m "gpu" ${PYTEST_ARGS:-tests} ;;
     mutation)
         step mutation
         PYTHONPATH=python python3 -m forktools build --profile dev --jobs "$(nproc)" \
