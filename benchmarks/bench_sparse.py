@@ -290,6 +290,20 @@ def bench_shape(shape, roofline, rows, methods):
             add(name, rotating([lambda i=i, w=walk: read_listed_blocks(k, v, i, BLOCK, w) for i in ids]), note)
     if "fa2_sparse" in methods:
         add("fa2_sparse", ours("fa2"))
+    if "triton_decode" in methods and shape.seqlen_q <= 16:
+        # The list-parallel decode kernel called directly (triton_decode.py): its entries-per-
+        # program choice, then fixed counts, each checked once against the FA-2 path's result.
+        from flash_attn_sparse import triton_decode
+        reference, _ = fas.flash_attn_with_sparse_block_table(q, k, v, blocks[0], backend="fa2")
+        for entries, warps in ((0, 4), (0, 8), (1, 4), (2, 4), (4, 4)):
+            def call(b, entries=entries, warps=warps):
+                return triton_decode.run(q, k, v, b, softmax_scale=shape.head_dim ** -0.5, causal=shape.causal,
+                                         entries=entries, num_warps=warps)
+            error = (call(blocks[0])[0].float() - reference.float()).abs().max().item()
+            chosen = entries or triton_decode.choose_entries(triton_decode.list_capacity(blocks[0]),
+                                                            shape.batch * shape.heads_k, 132)
+            add(f"triton_decode e={entries or 'auto'} w={warps}", rotating([lambda b=b: call(b) for b in blocks]),
+                f"{chosen} entries per program, max |diff| vs fa2 {error:.1e}")
     if "split_sweep" in methods and shape.seqlen_q <= 16:
         for splits in (2, 4, 8, 16, 32):  # what the split heuristic leaves on the table
             add(f"fa2_sparse splits={splits}", ours("fa2", splits))
@@ -354,7 +368,7 @@ CROSSOVER = [Shape(f"crossover B1 Sq{sq} H32/8 Sk16k", 1, sq, 16384, 32, 8, d, o
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--shapes", help="comma-separated substrings of shape names to run (default: all)")
-    parser.add_argument("--methods", default="copy,read_listed,fa2_sparse,fa4_sparse,fa4_direct,auto,fa2_dense,speculative,sdpa,flex")
+    parser.add_argument("--methods", default="copy,read_listed,triton_decode,fa2_sparse,fa4_sparse,fa4_direct,auto,fa2_dense,speculative,sdpa,flex")
     parser.add_argument("--out", type=Path, help="folder for <date>-<gpu>-<commit>.json, .md and .png")
     parser.add_argument("--json", type=Path)
     parser.add_argument("--markdown", type=Path)
