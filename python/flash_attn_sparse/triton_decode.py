@@ -28,7 +28,7 @@ from .metadata import SparseBlocks, cdiv
 MAX_TILE_ROWS = 64
 HEAD_DIMS = (32, 64, 128, 256)
 PROGRAMS_PER_SM = 4  # programs the split choice aims for: enough loads in flight on every SM
-MERGE_REGISTERS = 8192  # fp32 partial values a merge step holds (64 per thread at 4 warps)
+MERGE_REGISTERS = 4096  # fp32 partial values a merge step holds (32 per thread at 4 warps)
 
 
 @functools.lru_cache(maxsize=None)
@@ -94,7 +94,8 @@ def _kernel():
                       fc_sb, fc_sh, fi_sb, fi_sh, mc_sb, mc_sh, mi_sb, mi_sh,
                       seqlen_q, seqlen_k, group, full_cap, mask_cap, splits, entries, scale_log2,
                       PROGRAM_HEADS: tl.constexpr, PER_PROGRAM: tl.constexpr, ROWS: tl.constexpr,
-                      MERGE_ROWS: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
+                      MERGE_ROWS: tl.constexpr, BLOCK_N: tl.constexpr, CHUNK_N: tl.constexpr, SUBTILES: tl.constexpr,
+                      NUM_STAGES: tl.constexpr, HEAD_DIM: tl.constexpr,
                       SPLITS_POW2: tl.constexpr, MERGE_CHUNK: tl.constexpr, HAS_MASK: tl.constexpr,
                       CAUSAL: tl.constexpr, HAS_SEQUSED: tl.constexpr):
         split = tl.program_id(0)
@@ -108,7 +109,7 @@ def _kernel():
         row_head = head0 + rows % PER_PROGRAM
         row_valid = row_q < seqlen_q
         cols = tl.arange(0, HEAD_DIM)
-        keys = tl.arange(0, BLOCK_N)
+        keys = tl.arange(0, CHUNK_N)
 
         if HAS_SEQUSED:
             seqlen = tl.load(SeqUsedK + batch)
@@ -132,8 +133,11 @@ def _kernel():
         m_i = tl.full([ROWS], float("-inf"), tl.float32)
         l_i = tl.zeros([ROWS], tl.float32)
         acc = tl.zeros([ROWS, HEAD_DIM], tl.float32)
-        for j in range(0, count):
-            entry = first + j
+        # One flat loop over key chunks of the program's entries, software-pipelined: the K/V
+        # chunks of the next NUM_STAGES - 1 iterations load into shared memory (cp.async) while
+        # one is computed, instead of whole blocks staged through registers.
+        for it in tl.range(0, count * SUBTILES, num_stages=NUM_STAGES):
+            entry = first + it // SUBTILES
             is_full = entry < full_cnt
             block = tl.load(FullIdx + batch * fi_sb + program_head * fi_sh + entry, mask=is_full, other=0)
             if HAS_MASK:
@@ -141,7 +145,7 @@ def _kernel():
                                      mask=entry >= full_cnt, other=0)
                 block = tl.where(is_full, block, mask_block)
             # An id outside the sequence is skipped; the tail block stops at the sequence end.
-            positions = block.to(tl.int64) * BLOCK_N + keys
+            positions = block.to(tl.int64) * BLOCK_N + (it % SUBTILES) * CHUNK_N + keys
             key_valid = tl.where((block >= 0) & (block < n_blocks), positions < seqlen, False)
             k = tl.load(k_base + positions[:, None] * k_ss + cols[None, :], mask=key_valid[:, None], other=0.0)
             v = tl.load(v_base + positions[:, None] * v_ss + cols[None, :], mask=key_valid[:, None], other=0.0)
@@ -183,32 +187,33 @@ def _kernel():
                 lse_all = tl.load(LsePart + (base + split_ids[:, None]) * ROWS + merge_rows[None, :],
                                   mask=(split_ids[:, None] < splits) & merge_valid[None, :], other=float("-inf"),
                                   cache_modifier=".cg")
-                m = tl.max(lse_all, 0)
-                m = tl.where(m == float("-inf"), 0.0, m)
-                denom = tl.sum(tl.exp2(lse_all - m[None, :]), 0)
+                top = tl.max(lse_all, 0)
+                top = tl.where(top == float("-inf"), 0.0, top)
+                denom = tl.sum(tl.exp2(lse_all - top[None, :]), 0)
                 merged = tl.zeros([MERGE_ROWS, HEAD_DIM], tl.float32)
                 for s0 in range(0, splits, MERGE_CHUNK):
                     chunk = s0 + tl.arange(0, MERGE_CHUNK)
                     ok = (chunk[:, None] < splits) & merge_valid[None, :]
                     weight = tl.exp2(tl.load(LsePart + (base + chunk[:, None]) * ROWS + merge_rows[None, :], mask=ok,
-                                             other=float("-inf"), cache_modifier=".cg") - m[None, :])
+                                             other=float("-inf"), cache_modifier=".cg") - top[None, :])
                     partial = tl.load(OPart + ((base + chunk[:, None, None]) * ROWS + merge_rows[None, :, None]) * HEAD_DIM
                                       + cols[None, None, :], mask=ok[:, :, None], other=0.0, cache_modifier=".cg")
                     merged += tl.sum(weight[:, :, None] * partial, 0)
-                seen = denom > 0
-                merged = merged / tl.where(seen, denom, 1.0)[:, None]
-                lse = tl.where(seen, m + tl.log2(tl.where(seen, denom, 1.0)), float("-inf")) * 0.6931471805599453
+                merge_seen = denom > 0
+                merged = merged / tl.where(merge_seen, denom, 1.0)[:, None]
+                merge_lse = tl.where(merge_seen, top + tl.log2(tl.where(merge_seen, denom, 1.0)), float("-inf"))
                 merge_head = head0 + merge_rows % PER_PROGRAM
                 tl.store(Out + batch * o_sb + merge_q[:, None] * o_ss + merge_head[:, None] * o_sh + cols[None, :],
                          merged.to(Out.dtype.element_ty), mask=merge_valid[:, None])
-                tl.store(Lse + batch * lse_sb + merge_head * lse_sh + merge_q, lse, mask=merge_valid)
+                tl.store(Lse + batch * lse_sb + merge_head * lse_sh + merge_q, merge_lse * 0.6931471805599453,
+                         mask=merge_valid)
 
     return sparse_decode
 
 
 def run(q: Tensor, k: Tensor, v: Tensor, blocks: SparseBlocks, *, softmax_scale: float, causal: bool,
-        seqused_k: Optional[Tensor] = None, entries: int = 0, num_sms: int = 132,
-        num_warps: int = 4) -> Tuple[Tensor, Tensor]:
+        seqused_k: Optional[Tensor] = None, entries: int = 0, num_sms: int = 132, num_warps: int = 4,
+        chunk_keys: int = 64, num_stages: int = 3) -> Tuple[Tensor, Tensor]:
     """(out, lse) of a call unsupported_reason accepted. entries=0 picks entries per program
     (choose_entries); lse is (batch, heads, seqlen_q) fp32."""
     batch, seqlen_q, heads, head_dim = q.shape
@@ -229,6 +234,7 @@ def run(q: Tensor, k: Tensor, v: Tensor, blocks: SparseBlocks, *, softmax_scale:
     else:
         o_part = lse_part = counter = lse  # not read
     has_mask = blocks.mask_idx is not None
+    chunk = min(chunk_keys, blocks.block_size)
 
     def list_strides(t: Optional[Tensor]) -> Tuple[int, int]:
         if t is None:
@@ -247,7 +253,8 @@ def run(q: Tensor, k: Tensor, v: Tensor, blocks: SparseBlocks, *, softmax_scale:
         seqlen_q, seqlen_k, heads // heads_k, blocks.full_idx.shape[-1], mask_idx.shape[-1] if has_mask else 0,
         splits, entries, softmax_scale * 1.4426950408889634,
         PROGRAM_HEADS=program_heads, PER_PROGRAM=per_program, ROWS=rows, MERGE_ROWS=merge_rows,
-        BLOCK_N=blocks.block_size, HEAD_DIM=head_dim, SPLITS_POW2=_pow2(splits),
+        BLOCK_N=blocks.block_size, CHUNK_N=chunk, SUBTILES=blocks.block_size // chunk, NUM_STAGES=num_stages,
+        HEAD_DIM=head_dim, SPLITS_POW2=_pow2(splits),
         MERGE_CHUNK=max(1, min(_pow2(splits), MERGE_REGISTERS // (merge_rows * head_dim))),
         HAS_MASK=has_mask, CAUSAL=causal and has_mask, HAS_SEQUSED=seqused_k is not None, num_warps=num_warps)
     return out, lse
