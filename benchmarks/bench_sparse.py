@@ -297,15 +297,15 @@ def bench_shape(shape, roofline, rows, methods):
         from flash_attn_sparse import triton_decode
         reference, _ = fas.flash_attn_with_sparse_block_table(q, k, v, blocks[0], backend="fa2")
         variants = [tuple(int(x) for x in v.split(",")) for v in
-                    os.environ.get("TRITON_DECODE_VARIANTS", "0,4,64,3").split(";")]  # entries, warps, chunk, stages
-        for entries, warps, chunk, stages in variants:
-            def call(b, entries=entries, warps=warps, chunk=chunk, stages=stages):
+                    os.environ.get("TRITON_DECODE_VARIANTS", "0,4,64,3,0").split(";")]  # entries, warps, chunk, stages, diag
+        for entries, warps, chunk, stages, diag in variants:
+            def call(b, entries=entries, warps=warps, chunk=chunk, stages=stages, diag=diag):
                 return triton_decode.run(q, k, v, b, softmax_scale=shape.head_dim ** -0.5, causal=shape.causal,
-                                         entries=entries, num_warps=warps, chunk_keys=chunk, num_stages=stages)
+                                         entries=entries, num_warps=warps, chunk_keys=chunk, num_stages=stages, diag=diag)
             error = (call(blocks[0])[0].float() - reference.float()).abs().max().item()
             chosen = entries or triton_decode.choose_entries(triton_decode.list_capacity(blocks[0]),
                                                             shape.batch * shape.heads_k, 132)
-            add(f"triton_decode e={entries or 'auto'} w={warps} c={chunk} s={stages}", rotating([lambda b=b: call(b) for b in blocks]),
+            add(f"triton_decode e={entries or 'auto'} w={warps} c={chunk} s={stages} d={diag}", rotating([lambda b=b: call(b) for b in blocks]),
                 f"{chosen} entries per program, max |diff| vs fa2 {error:.1e}")
     if "split_sweep" in methods and shape.seqlen_q <= 16:
         for splits in (2, 4, 8, 16, 32):  # what the split heuristic leaves on the table

@@ -177,8 +177,11 @@ def _kernel():
             # Every thread's partial is written before one thread releases the count (the
             # CTA barrier, then a gpu-scope release); the last program acquires it.
             tl.debug_barrier()
-            finished = tl.atomic_add(Counter + list_id, 1, sem="acq_rel", scope="gpu")
-            if finished == splits - 1:
+            if DIAG == 2:
+                finished = 0
+            else:
+                finished = tl.atomic_add(Counter + list_id, 1, sem="acq_rel", scope="gpu")
+            if finished == splits - 1 and DIAG == 0:
                 merge_rows = tl.arange(0, MERGE_ROWS)
                 merge_q = merge_rows // PER_PROGRAM
                 merge_valid = merge_q < seqlen_q
@@ -213,7 +216,7 @@ def _kernel():
 
 def run(q: Tensor, k: Tensor, v: Tensor, blocks: SparseBlocks, *, softmax_scale: float, causal: bool,
         seqused_k: Optional[Tensor] = None, entries: int = 0, num_sms: int = 132, num_warps: int = 4,
-        chunk_keys: int = 64, num_stages: int = 3) -> Tuple[Tensor, Tensor]:
+        chunk_keys: int = 64, num_stages: int = 3, diag: int = 0) -> Tuple[Tensor, Tensor]:
     """(out, lse) of a call unsupported_reason accepted. entries=0 picks entries per program
     (choose_entries); lse is (batch, heads, seqlen_q) fp32."""
     batch, seqlen_q, heads, head_dim = q.shape
@@ -256,5 +259,5 @@ def run(q: Tensor, k: Tensor, v: Tensor, blocks: SparseBlocks, *, softmax_scale:
         BLOCK_N=blocks.block_size, CHUNK_N=chunk, SUBTILES=blocks.block_size // chunk, NUM_STAGES=num_stages,
         HEAD_DIM=head_dim, SPLITS_POW2=_pow2(splits),
         MERGE_CHUNK=max(1, min(_pow2(splits), MERGE_REGISTERS // (merge_rows * head_dim))),
-        HAS_MASK=has_mask, CAUSAL=causal and has_mask, HAS_SEQUSED=seqused_k is not None, num_warps=num_warps)
+        HAS_MASK=has_mask, CAUSAL=causal and has_mask, HAS_SEQUSED=seqused_k is not None, DIAG=diag, num_warps=num_warps)
     return out, lse
