@@ -97,7 +97,7 @@ def _kernel():
                       MERGE_ROWS: tl.constexpr, BLOCK_N: tl.constexpr, CHUNK_N: tl.constexpr, SUBTILES: tl.constexpr,
                       NUM_STAGES: tl.constexpr, HEAD_DIM: tl.constexpr,
                       SPLITS_POW2: tl.constexpr, MERGE_CHUNK: tl.constexpr, HAS_MASK: tl.constexpr,
-                      CAUSAL: tl.constexpr, HAS_SEQUSED: tl.constexpr):
+                      CAUSAL: tl.constexpr, HAS_SEQUSED: tl.constexpr, DIAG: tl.constexpr):
         split = tl.program_id(0)
         list_id = tl.program_id(1)  # (batch, program head)
         batch = (list_id // PROGRAM_HEADS).to(tl.int64)
