@@ -17,7 +17,6 @@ same scattered pieces, without the attention.
 
 import argparse
 import json
-import os
 import random
 import sys
 import time
@@ -291,22 +290,6 @@ def bench_shape(shape, roofline, rows, methods):
             add(name, rotating([lambda i=i, w=walk: read_listed_blocks(k, v, i, BLOCK, w) for i in ids]), note)
     if "fa2_sparse" in methods:
         add("fa2_sparse", ours("fa2"))
-    if "triton_decode" in methods and shape.seqlen_q <= 16:
-        # The list-parallel decode kernel called directly (triton_decode.py): its entries-per-
-        # program choice, then fixed counts, each checked once against the FA-2 path's result.
-        from flash_attn_sparse import triton_decode
-        reference, _ = fas.flash_attn_with_sparse_block_table(q, k, v, blocks[0], backend="fa2")
-        variants = [tuple(int(x) for x in v.split(",")) for v in
-                    os.environ.get("TRITON_DECODE_VARIANTS", "0,4,64,3,0").split(";")]  # entries, warps, chunk, stages, diag
-        for entries, warps, chunk, stages, diag in variants:
-            def call(b, entries=entries, warps=warps, chunk=chunk, stages=stages, diag=diag):
-                return triton_decode.run(q, k, v, b, softmax_scale=shape.head_dim ** -0.5, causal=shape.causal,
-                                         entries=entries, num_warps=warps, chunk_keys=chunk, num_stages=stages, diag=diag)
-            error = (call(blocks[0])[0].float() - reference.float()).abs().max().item()
-            chosen = entries or triton_decode.choose_entries(triton_decode.list_capacity(blocks[0]),
-                                                            shape.batch * shape.heads_k, 132)
-            add(f"triton_decode e={entries or 'auto'} w={warps} c={chunk} s={stages} d={diag}", rotating([lambda b=b: call(b) for b in blocks]),
-                f"{chosen} entries per program, max |diff| vs fa2 {error:.1e}")
     if "split_sweep" in methods and shape.seqlen_q <= 16:
         for splits in (2, 4, 8, 16, 32):  # what the split heuristic leaves on the table
             add(f"fa2_sparse splits={splits}", ours("fa2", splits))
@@ -314,7 +297,7 @@ def bench_shape(shape, roofline, rows, methods):
     if "fa4_sparse" in methods and not fa4_missing:
         add("fa4_sparse", ours("fa4"), "API, backend=fa4")
     if "split_sweep" in methods and shape.seqlen_q <= 16 and not fa4_missing:
-        for splits in (1, 2, 4, 8, 16):
+        for splits in (1, 2, 4, 8, 16, 32, 64):  # 32, 64: one or two blocks per split at B1 1/16
             add(f"fa4_sparse splits={splits}", ours("fa4", splits))
     if "auto" in methods and not fa4_missing:
         add("auto", ours("auto"), f"chose {fas.choose_backend(q, k, v, blocks[0], causal=shape.causal)[0]}")
@@ -371,7 +354,7 @@ CROSSOVER = [Shape(f"crossover B1 Sq{sq} H32/8 Sk16k", 1, sq, 16384, 32, 8, d, o
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--shapes", help="comma-separated substrings of shape names to run (default: all)")
-    parser.add_argument("--methods", default="copy,read_listed,triton_decode,fa2_sparse,fa4_sparse,fa4_direct,auto,fa2_dense,speculative,sdpa,flex")
+    parser.add_argument("--methods", default="copy,read_listed,fa2_sparse,fa4_sparse,fa4_direct,auto,fa2_dense,speculative,sdpa,flex")
     parser.add_argument("--out", type=Path, help="folder for <date>-<gpu>-<commit>.json, .md and .png")
     parser.add_argument("--json", type=Path)
     parser.add_argument("--markdown", type=Path)
