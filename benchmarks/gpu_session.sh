@@ -127,6 +127,16 @@ run_tests() {  # name, pytest args...
     note "pytest $name: $(tail -1 "$LOGS/pytest-$name.log")"
 }
 
+ncu_sections() {  # log name, title, summary file, kernel regex, launches to skip, profile_decode.py args...:
+    # two launches' speed-of-light, occupancy, stall and memory sections, their key lines summarised
+    local name=$1 title=$2 summary=$3 kernels=$4 skip=$5; shift 5
+    timeout 200 ncu --clock-control none -k regex:"$kernels" --launch-skip "$skip" --launch-count 2 \
+        --section SpeedOfLight --section ComputeWorkloadAnalysis --section Occupancy --section LaunchStats --section WarpStateStats \
+        --section MemoryWorkloadAnalysis --section SchedulerStats \
+        python3 benchmarks/profile_decode.py "$@" > "$LOGS/$name.txt" 2>&1
+    { echo "### ncu $title"; grep -E "^  [a-zA-Z_]+.*\(|Duration|DRAM Throughput|Memory Throughput|Achieved Occupancy|Theoretical Occupancy|Registers Per Thread|Block Limit|Waves Per SM|Grid Size|Dynamic Shared|Stall|Issue Slots|SM Busy|Executed Ipc|L2 Hit|Eligible Warps" "$LOGS/$name.txt"; } >> "$summary"
+}
+
 ncu_sass() {  # name, kernels to profile, profile_decode.py args...: ncu --set full, the report and its per-SASS CSV
     local name=$1 count=$2; shift 2
     step "ncu $name"
@@ -173,21 +183,14 @@ for s in $STEPS; do
         timeout 300 python3 benchmarks/profile_decode.py > "$OUT/profile.txt" 2>&1
         [ "${PROFILE_NCU:-1}" = 0 ] && { note "profile: $(wc -l < "$OUT/profile.txt") lines in profile.txt"; continue; }
         for target in "B8 Sq16" "B8 Sq1 " "B1 Sq1"; do  # "B8 Sq1 ": not a prefix of "B8 Sq16"
-            timeout 120 ncu --clock-control none -k regex:"flash_fwd_sparse|combine" --launch-skip 6 --launch-count 2 \
-                --section SpeedOfLight --section ComputeWorkloadAnalysis --section Occupancy --section LaunchStats --section WarpStateStats \
-                --section MemoryWorkloadAnalysis --section SchedulerStats \
-                python3 benchmarks/profile_decode.py --ncu-target "$target" > "$LOGS/ncu-${target// /_}.txt" 2>&1
-            { echo "### ncu $target"; grep -E "^  [a-z_]+.*\(|Duration|DRAM Throughput|Memory Throughput|Achieved Occupancy|Theoretical Occupancy|Registers Per Thread|Block Limit|Waves Per SM|Grid Size|Dynamic Shared|Stall|Issue Slots|SM Busy|Executed Ipc|L2 Hit|Eligible Warps" "$LOGS/ncu-${target// /_}.txt"; } >> "$OUT/profile.txt"
+            ncu_sections "ncu-${target// /_}" "$target" "$OUT/profile.txt" "flash_fwd_sparse|combine" 6 --ncu-target "$target"
         done
         note "profile: $(wc -l < "$OUT/profile.txt") lines in profile.txt" ;;
     profile-fa4)
         step profile-fa4
         timeout 300 python3 benchmarks/profile_decode.py --backend fa4 > "$OUT/profile-fa4.txt" 2>&1
-        timeout 200 ncu --clock-control none -k regex:"FlashAttentionForwardSm90|FlashAttentionForwardCombine" --launch-skip 4 --launch-count 2 \
-            --section SpeedOfLight --section ComputeWorkloadAnalysis --section Occupancy --section LaunchStats --section WarpStateStats \
-            --section MemoryWorkloadAnalysis --section SchedulerStats \
-            python3 benchmarks/profile_decode.py --backend fa4 --ncu-target "B8 Sq16" > "$LOGS/ncu-fa4-B8_Sq16.txt" 2>&1
-        { echo "### ncu fa4 B8 Sq16"; grep -E "^  [a-zA-Z_]+.*\(|Duration|DRAM Throughput|Memory Throughput|Achieved Occupancy|Registers Per Thread|Grid Size|Dynamic Shared|Stall|SM Busy|Executed Ipc|L2 Hit|Eligible Warps" "$LOGS/ncu-fa4-B8_Sq16.txt"; } >> "$OUT/profile-fa4.txt"
+        ncu_sections ncu-fa4-B8_Sq16 "fa4 B8 Sq16" "$OUT/profile-fa4.txt" "FlashAttentionForwardSm90|FlashAttentionForwardCombine" 4 \
+            --backend fa4 --ncu-target "B8 Sq16"
         note "profile-fa4: $(wc -l < "$OUT/profile-fa4.txt") lines in profile-fa4.txt" ;;
     sweep)
         step sweep

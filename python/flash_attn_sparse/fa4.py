@@ -33,7 +33,7 @@ from typing import Optional, Tuple
 import torch
 from torch import Tensor
 
-from .builders import _PAST_EVERY_ID
+from .builders import _PAST_EVERY_ID, to_cute_block_sparse_tensors
 from .metadata import SparseBlocks, cdiv
 
 BLOCK_SIZES = (64, 128)
@@ -175,7 +175,6 @@ def block_sparse_tensors(blocks: SparseBlocks, *, batch: int, max_seqlen_q: int,
     """flash-attn-4's BlockSparseTensorsTorch for these lists, under its contract (module doc).
     q_block_size overrides the lists' query tile as flash-attn-4 sees it (its SM90 tile_m
     follows it): 64 for calls whose queries fit one 64-row tile."""
-    from .builders import to_cute_block_sparse_tensors
     q_block = q_block_size or blocks.resolved_q_block_size(max_seqlen_q)
     if blocks.is_varlen:
         seqlens_k = seqused_k if seqused_k is not None else cu_seqlens_k[1:] - cu_seqlens_k[:-1]
