@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
 
-from forktools import ToolError, build, series, stages, upstream, variant, wheel_fa4
+from forktools import ToolError, build, gpu, series, stages, upstream, variant, wheel_fa4
 from forktools.layout import Layout
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -49,7 +50,8 @@ def _build(layout: Layout, args: argparse.Namespace) -> int:
     if args.fa4_only:
         wheel_fa4.build(layout)
         return 0
-    build.build(layout, profile=args.profile, archs=args.archs, jobs=args.jobs, reuse=args.reuse,
+    archs = args.archs or [a for a in os.environ.get("FLASH_ATTN_SPARSE_ARCH", "").split(",") if a] or None
+    build.build(layout, profile=args.profile, archs=archs, jobs=args.jobs, reuse=args.reuse,
                 mutations=args.mutations, install=args.install)
     return 0
 
@@ -90,11 +92,16 @@ def _parser() -> argparse.ArgumentParser:
     command = commands.add_parser("check-patches", help="check patches/ against the lock and the trees")
     command.set_defaults(run=_check_patches)
 
+    # Defaults from the environment, so that `FLASH_ATTN_SPARSE_ARCH=80 nox -s build test` works:
+    # nox gives posargs to every session, and pytest would reject --arch.
     command = commands.add_parser("build", help="build wheels into dist/")
-    command.add_argument("--profile", choices=["dev", "full"], default="dev")
+    command.add_argument("--profile", choices=["dev", "full"], default=os.environ.get("FLASH_ATTN_SPARSE_PROFILE", "dev"),
+                         help="default $FLASH_ATTN_SPARSE_PROFILE, else dev")
     command.add_argument("--arch", dest="archs", action="append", metavar="SM",
-                         help="CUDA compute capability, e.g. 90; repeatable")
-    command.add_argument("--jobs", type=int, metavar="N", help="parallel compile jobs")
+                         help="CUDA compute capability, e.g. 90; repeatable (default $FLASH_ATTN_SPARSE_ARCH, "
+                              "comma-separated, else the profile's)")
+    command.add_argument("--jobs", type=int, metavar="N", default=os.environ.get("FLASH_ATTN_SPARSE_JOBS"),
+                         help="parallel compile jobs (default $FLASH_ATTN_SPARSE_JOBS, else one per CPU)")
     command.add_argument("--reuse", action="store_true", help="return the wheel in dist/ if this exact source was built")
     command.add_argument("--mutation", dest="mutations", action="append", default=[], type=Path, metavar="PATCH",
                          help="apply a defect on top, to check that the tests catch it (tests/mutations/)")
@@ -112,6 +119,8 @@ def _parser() -> argparse.ArgumentParser:
     command = commands.add_parser("review", help="show a stage's notes and patches, run its tests")
     command.add_argument("stage", type=int, metavar="N")
     command.set_defaults(run=_review)
+
+    gpu.add_parser(commands)
 
     # No options of its own, not even -h: everything after `test` goes to pytest.
     command = commands.add_parser("test", help="run pytest from the repo root", add_help=False)

@@ -1,0 +1,307 @@
+"""`python -m forktools gpu STEP...`: one call on the GPU machine (no package index there).
+
+It gets the wheel (built from the carried upstream cache, or a carried wheel reused), installs it
+into a scratch folder, then runs the steps named, in the order given (`--list` shows them). Every
+result and log goes under one output folder (default $OUT); the logs come back as one tarball,
+and the last thing printed is a summary table. `--dry-run` prints the command lines instead.
+The CuTe-DSL runtime (FA-4's) is unpacked by benchmarks/gpu_session.sh, which then calls this.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import re
+import shlex
+import shutil
+import signal
+import subprocess
+import sys
+import tarfile
+import time
+from pathlib import Path
+
+from forktools import gpu_steps
+
+CARRIED_WHEEL = ".carry/wheel/dist-wheel.tar"
+BUILD_TIME = re.compile(r"in (\d+) s")
+
+
+@dataclasses.dataclass
+class Session:
+    """The state of one call: options, where things go, the environment the steps run in."""
+    root: Path
+    out: Path
+    scratch: Path
+    options: argparse.Namespace
+    dry_run: bool = False
+    env: dict = dataclasses.field(default_factory=dict)
+    notes: list = dataclasses.field(default_factory=list)
+    commands: list = dataclasses.field(default_factory=list)
+    worst_rc: int = 0
+    fa4_wheel: Path | None = None
+    mutant_wheel: Path | None = None
+
+    @property
+    def logs(self) -> Path:
+        return self.out / "logs"
+
+    @property
+    def cutedsl_site(self) -> Path | None:
+        return self.options.cutedsl_site
+
+    def note(self, text: str) -> None:
+        print(text, flush=True)
+        self.notes.append(text)
+
+    def run(self, command: list, output: Path | None = None, append: bool = False, timeout: int | None = None,
+            env: dict | None = None, stderr: Path | None = None) -> int:
+        """Run `command` from the repo root in the session's environment (plus `env`), its stdout
+        (and stderr, unless `stderr` names a file) into `output`; 124 when it passed `timeout` s."""
+        words = [str(word) for word in command]
+        line = shlex.join(words) + (f" {'>>' if append else '>'} {output}" if output else "")
+        self.commands.append(line)
+        if self.dry_run:
+            print(f"+ {line}")
+            return 0
+        full_env = {**os.environ, **self.env, **(env or {})}
+        mode = "a" if append else "w"
+        with open(output, mode) if output else _Inherit() as out, open(stderr, "a") if stderr else _Inherit() as err:
+            try:
+                rc = subprocess.run(words, cwd=self.root, env=full_env, timeout=timeout, stdout=out,
+                                    stderr=err if stderr else (subprocess.STDOUT if output else None)).returncode
+            except subprocess.TimeoutExpired:
+                rc = 124
+        self.worst_rc = max(self.worst_rc, rc)
+        return rc
+
+    def act(self, description: str, action, *args) -> None:
+        """A file operation: done, or only shown in a dry run."""
+        self.commands.append(description)
+        if self.dry_run:
+            print(f"+ {description}")
+        else:
+            action(*args)
+
+    def forktools(self, *args: str, output: Path) -> int:
+        """`python -m forktools ARGS` from this checkout (before any wheel is on the path)."""
+        return self.run([sys.executable, "-m", "forktools", *args], output=output,
+                        env={"PYTHONPATH": str(self.root / "python")})
+
+    def pip_install(self, wheel: Path, target: Path, upgrade: bool = False) -> int:
+        return self.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-index",
+                         *(["--upgrade"] if upgrade else []), "--target", target, wheel])
+
+    def lay_fa4_wheel(self, wheel: Path | None) -> int:
+        """A flash-attn-4 wheel laid over the CuTe-DSL runtime's own."""
+        if not (self.cutedsl_site and wheel):
+            return 0
+        return self.pip_install(wheel, self.cutedsl_site, upgrade=True)
+
+    def newest(self, pattern: str, exclude: str | None = None) -> Path | None:
+        found = [p for p in (self.root / "dist").glob(pattern) if not (exclude and exclude in p.name)]
+        if self.dry_run and not found:
+            return self.root / "dist" / pattern.replace("*", "X")
+        return max(found, key=lambda p: p.stat().st_mtime) if found else None
+
+    def read(self, path: Path) -> str:
+        return "" if self.dry_run or not path.exists() else path.read_text(errors="replace")
+
+
+class _Inherit:
+    """A stand-in for an open file: the child inherits this process's stream."""
+    def __enter__(self):
+        return None
+
+    def __exit__(self, *exc):
+        return False
+
+
+def _extract(tar_path: Path, into: Path) -> None:
+    into.mkdir(parents=True, exist_ok=True)
+    with tarfile.open(tar_path) as tar:
+        tar.extractall(into, filter="data")
+
+
+def describe_machine(session: Session) -> None:
+    gpu_txt = session.logs / "gpu.txt"
+    session.run(["nvidia-smi", "--query-gpu=name,driver_version,clocks.sm,clocks.mem,memory.used", "--format=csv"],
+                output=gpu_txt)
+    session.run([sys.executable, "-c", "import torch, sys; print('python', sys.version.split()[0], 'torch', "
+                 "torch.__version__, 'cuda', torch.version.cuda)"], output=gpu_txt, append=True)
+    commit_file = session.root / ".commit"
+    commit = commit_file.read_text().strip() if commit_file.exists() else "unknown"
+    lines = session.read(gpu_txt).splitlines()
+    session.note(f"commit {commit}, {time.strftime('%Y-%m-%d', time.gmtime())}, {lines[1] if len(lines) > 1 else '?'}")
+
+
+def prepare_wheel(session: Session) -> Path | None:
+    """The one way to the wheel: a given one (--wheel), the carried one beside a fresh flash-attn-4
+    wheel (--reuse-fa2-wheel), or a build that reuses the carried wheel when its label (the hash
+    of the patched tree and profile) is this commit's. None when that failed."""
+    options, given = session.options, session.scratch / "given-wheel"
+    if options.wheel or options.reuse_fa2_wheel:
+        session.act(f"extract {options.wheel or CARRIED_WHEEL} into {given}", _extract,
+                    session.root / (options.wheel or CARRIED_WHEEL), given)
+        found = sorted(given.glob("flash_attn-*.whl")) or [given / "flash_attn-X.whl"]
+        wheel = found[0]
+    if options.wheel:
+        session.note(f"wheel given: {wheel.name} (no build)")
+        return wheel
+    if session.forktools("upstream", "--offline", output=session.logs / "upstream.log"):
+        session.note("upstream cache: FAILED (see upstream.log)")
+        return None
+    if options.reuse_fa2_wheel:
+        if session.forktools("build", "--fa4-only", output=session.logs / "build.log"):
+            session.note("flash-attn-4 wheel: FAILED (see build.log)")
+            return None
+        session.env["PYTHONPATH"] = str(session.root / "python")
+        session.note(f"wheel reused: {wheel.name} (no build); flash-attn-4 wheel built here; python/ first on the path")
+        return wheel
+    carried = session.root / CARRIED_WHEEL
+    if carried.exists():
+        session.act(f"extract {CARRIED_WHEEL} into dist/", _extract, carried, session.root / "dist")
+    start = time.monotonic()
+    build_log = session.logs / "build.log"
+    rc = session.forktools("build", "--profile", "dev", "--jobs", str(os.cpu_count() or 1), "--reuse", output=build_log)
+    session.act("copy build/logs/build-dev.log to logs/build-full.log", _copy_if_there,
+                session.root / "build/logs/build-dev.log", session.logs / "build-full.log")
+    wheel = session.newest("flash_attn-*.whl", exclude="mutant")
+    if rc or not wheel:
+        session.note("build: FAILED (see build.log, build-full.log)")
+        return None
+    took = BUILD_TIME.findall(session.read(build_log))
+    size = 0 if session.dry_run else wheel.stat().st_size >> 20
+    session.note(f"build: {'in ' + took[-1] + ' s' if took else 'reused'} (wall {time.monotonic() - start:.0f} s),"
+                 f" {wheel.name}, {size} MB")
+    return wheel
+
+
+def _copy_if_there(source: Path, target: Path) -> None:
+    if source.exists():
+        shutil.copyfile(source, target)
+
+
+def install(session: Session, wheel: Path) -> bool:
+    site = session.scratch / "site"
+    session.act(f"empty {site}", gpu_steps.recreate, site)
+    if session.pip_install(wheel, site):
+        session.note("install: FAILED")
+        return False
+    cutedsl = [session.cutedsl_site, session.cutedsl_site / "nvidia_cutlass_dsl/dsl_packages"] if session.cutedsl_site else []
+    paths = [session.env.get("PYTHONPATH"), *map(str, cutedsl), str(site)]
+    session.env["PYTHONPATH"] = os.pathsep.join(p for p in paths if p)
+    session.env.update(FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED="1", FLASH_ATTENTION_CUTE_DSL_CACHE_DIR="/tmp/cutedsl-cache")
+    session.fa4_wheel = session.newest("flash_attn_4-*.whl")
+    if session.cutedsl_site:
+        rc = session.lay_fa4_wheel(session.fa4_wheel)
+        session.note(f"flash-attn-4: {session.fa4_wheel.name}" if rc == 0 else "flash-attn-4 install: FAILED")
+    availability = session.logs / "fa4-backend.txt"
+    session.run([sys.executable, "-c", FA4_AVAILABILITY], output=availability)
+    session.note((session.read(availability).strip().splitlines() or ["FA-4 backend: (dry run)"])[-1])
+    if session.cutedsl_site:
+        session.run([sys.executable, "-m", "pip", "list"], output=session.logs / "cutedsl-packages.txt")
+        session.run([sys.executable, "-c", FA4_IMPORT_CHECK], output=session.logs / "cutedsl-import.log")
+    session.act(f"tar {wheel.name} into dist-wheel.tar", gpu_steps.tar_one, wheel, session.out / "dist-wheel.tar")
+    return True
+
+
+# The backend module moves from flash_attn_sparse.fa4 to flash_attn_sparse.backends.fa4 (issue 25).
+_FA4_MODULE = ("import importlib\nfor name in ('flash_attn_sparse.backends.fa4', 'flash_attn_sparse.fa4'):\n"
+               "    try:\n        f = importlib.import_module(name); break\n"
+               "    except ModuleNotFoundError: pass\n")
+FA4_AVAILABILITY = _FA4_MODULE + "print('FA-4 backend:', f.missing_runtime() or 'available')"
+FA4_IMPORT_CHECK = _FA4_MODULE + "import quack, cutlass; print('quack', quack.__file__, 'cutlass', cutlass.__file__); f.import_cute('interface')"
+
+
+def _tar_logs(session: Session) -> None:
+    if session.dry_run or not session.logs.exists():
+        return
+    with tarfile.open(session.out / "logs.tar.gz", "w:gz") as tar:
+        tar.add(session.logs, arcname="logs")
+    shutil.rmtree(session.logs)
+
+
+def summary_table(rows: list) -> str:
+    lines = ["| step | exit | seconds | result |", "|---|---|---|---|"]
+    lines += [f"| {name} | {rc} | {seconds:.0f} | {note} |" for name, rc, seconds, note in rows]
+    return "\n".join(lines)
+
+
+def run_session(root: Path, options: argparse.Namespace) -> int:
+    unknown = [name for name in options.steps if name not in gpu_steps.STEPS]
+    if unknown:
+        print(f"error: unknown step {', '.join(map(repr, unknown))}; `python -m forktools gpu --list` shows the steps",
+              file=sys.stderr)
+        return 2
+    session = Session(root=root, out=options.out.resolve(), scratch=options.scratch.resolve(), options=options,
+                      dry_run=options.dry_run)
+    if not options.dry_run:
+        session.logs.mkdir(parents=True, exist_ok=True)
+    session.env["PYTHONUNBUFFERED"] = "1"
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(124))
+    rows = []
+    try:
+        describe_machine(session)
+        wheel = prepare_wheel(session)
+        if wheel is None or not install(session, wheel):
+            return 1
+        for name in options.steps:
+            print(f"== {time.strftime('%H:%M:%S')} {name}", flush=True)
+            session.worst_rc, start = 0, time.monotonic()
+            note = gpu_steps.STEPS[name][1](session)
+            rows.append((name, session.worst_rc, time.monotonic() - start, note))
+    finally:
+        table = summary_table(rows)
+        text = "\n".join([*session.notes, "", table]) + "\n"
+        if not options.dry_run:
+            (session.out / "summary.txt").write_text(text)
+        _tar_logs(session)
+        print("== summary\n" + text, end="")
+    return 1 if any(rc for _, rc, _, _ in rows) else 0
+
+
+def list_steps() -> str:
+    width = max(map(len, gpu_steps.STEPS))
+    return "\n".join(f"{name:<{width}}  {help_text}" for name, (help_text, _) in gpu_steps.STEPS.items())
+
+
+def add_parser(commands) -> None:
+    command = commands.add_parser("gpu", help="run steps on the GPU machine (tests, benchmarks, profiles)",
+                                  description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    command.add_argument("steps", nargs="*", default=["tests"], metavar="STEP", help="steps in order, together (default: tests)")
+    command.add_argument("--list", action="store_true", help="list the steps and exit")
+    command.add_argument("--dry-run", action="store_true", help="print the command lines instead of running them")
+    command.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "/tmp/gpu-session-out")),
+                         help="results and logs go here (default $OUT)")
+    command.add_argument("--scratch", type=Path, default=Path("/tmp/forktools-gpu"),
+                         help="installed wheels and variant test folders (not returned)")
+    wheel = command.add_mutually_exclusive_group()
+    wheel.add_argument("--wheel", type=Path, metavar="TAR",
+                       help="install the flash-attn wheel in TAR (e.g. a variant's), no build")
+    wheel.add_argument("--reuse-fa2-wheel", action="store_true",
+                       help=f"install {CARRIED_WHEEL} unbuilt, build only flash-attn-4's wheel, python/ first on the path "
+                            "(for a commit whose flash-attn patches and overlay are the wheel's)")
+    command.add_argument("--cutedsl-site", type=Path, help="the unpacked CuTe-DSL runtime (gpu_session.sh passes it)")
+    command.add_argument("--pytest-args", dest="test_selection", default="tests", help="what the tests step runs (files, -k; default tests)")
+    command.add_argument("--pytest-timeout", type=int, default=900, metavar="S")
+    command.add_argument("--bench-shapes", default="B8 Sq16", help="bench step's shapes (e.g. decode)")
+    command.add_argument("--bench-methods", help="bench/fullbench methods, comma-separated")
+    command.add_argument("--no-profile-ncu", action="store_true", help="profile step without ncu")
+    command.add_argument("--sweep-args", default="", help="extra profile_decode.py --split-sweep arguments")
+    command.add_argument("--variant", dest="variants", action="append", type=Path, metavar="DIFF",
+                         help="variants step: this diff (repeatable; default .carry/variants/*.diff)")
+    command.add_argument("--variant-tests", default="all", metavar="NAMES",
+                         help="variants whose GPU tests run: all, none, or names")
+    command.add_argument("--ncu-targets", default="B8_Sq1 B1_Sq1", help="ncu-dense's shapes")
+    command.add_argument("--fuzz-seed", type=int, default=0)
+    command.add_argument("--fuzz-budget-s", type=int, default=300)
+    command.set_defaults(run=_command)
+
+
+def _command(layout, args: argparse.Namespace) -> int:
+    if args.list:
+        print(list_steps())
+        return 0
+    return run_session(layout.root, args)

@@ -1,0 +1,310 @@
+"""The steps of `python -m forktools gpu`: each takes the Session (forktools.gpu) and returns the
+one line the summary table shows. STEPS maps a step's name to its help line and its function."""
+
+from __future__ import annotations
+
+import gzip
+import re
+import shlex
+import shutil
+import sys
+import tarfile
+from pathlib import Path
+
+PY = sys.executable
+NCU_SECTIONS = ["SpeedOfLight", "ComputeWorkloadAnalysis", "Occupancy", "LaunchStats", "WarpStateStats",
+                "MemoryWorkloadAnalysis", "SchedulerStats"]
+NCU_KEY_LINES = re.compile(
+    r"^  [a-zA-Z_]+.*\(|Duration|DRAM Throughput|Memory Throughput|Achieved Occupancy|Theoretical Occupancy|"
+    r"Registers Per Thread|Block Limit|Waves Per SM|Grid Size|Dynamic Shared|Stall|Issue Slots|SM Busy|"
+    r"Executed Ipc|L2 Hit|Eligible Warps")
+
+
+def _last_line(session, path: Path) -> str:
+    lines = session.read(path).strip().splitlines()
+    return lines[-1] if lines else "(no output)"
+
+
+def _line_count(session, path: Path) -> int:
+    return len(session.read(path).splitlines())
+
+
+def run_pytest(session, name: str, *args, env: dict | None = None, cwd_root: Path | None = None) -> str:
+    log = session.logs / f"pytest-{name}.log"
+    command = [PY, "-m", "pytest", "-p", "no:cacheprovider", "-q", "-rfE",
+               f"--junitxml={session.logs / f'junit-{name}.xml'}", *args]
+    if cwd_root:  # a variant's own test folder: pytest runs there, its conftest finds that root
+        command[3:3] = ["--rootdir", str(cwd_root), "-c", str(cwd_root / "pytest.ini")]
+    session.run(command, output=log, timeout=session.options.pytest_timeout, env=env)
+    return f"pytest {name}: {_last_line(session, log)}"
+
+
+def tests(session) -> str:
+    return run_pytest(session, "gpu", "-m", "gpu", *shlex.split(session.options.test_selection))
+
+
+def reliability(session) -> str:
+    return run_pytest(session, "reliability", "tests/test_reliability_gpu.py")
+
+
+def fa4(session) -> str:
+    return run_pytest(session, "fa4", "tests/test_stage4_fa4.py")
+
+
+def build_mutant(session, name: str, diff: Path) -> Path | None:
+    """A dev wheel with `diff` applied on top, installed into its own folder (returned)."""
+    if session.forktools("build", "--profile", "dev", "--mutation", str(diff), output=session.logs / f"{name}-build.log"):
+        return None
+    wheel = session.newest("flash_attn-*mutant*.whl")
+    site = session.scratch / f"site-{name}"
+    session.act(f"empty {site}", recreate, site)
+    if wheel is None or session.pip_install(wheel, site):
+        return None
+    session.mutant_wheel = wheel
+    return site
+
+
+def mutation(session) -> str:
+    site = build_mutant(session, "mutation", Path("tests/mutations/v-steps-densely.patch"))
+    if site is None:
+        return "mutation build: FAILED"
+    result = run_pytest(session, "mutant", "tests/test_stage3_sparse_fa2.py", "-k", "permuted or tail_block_in_the_middle",
+                        env={"PYTHONPATH": str(site)})
+    return f"{result} (these tests must fail)"
+
+
+def sanitize(session) -> str:
+    log = session.logs / "sanitize.log"
+    session.run([PY, "tests/sanitize.py"], output=log, timeout=300)
+    return "sanitize: " + ";".join(session.read(log).splitlines())
+
+
+def _bench(session, name: str, *shapes: str) -> str:
+    methods = ["--methods", session.options.bench_methods] if session.options.bench_methods else []
+    session.run([PY, "benchmarks/bench_sparse.py", *shapes, *methods, "--json", session.out / f"{name}.json",
+                 "--markdown", session.out / f"{name}.md"], output=session.logs / f"{name}.log", timeout=600)
+    return f"{_line_count(session, session.out / f'{name}.md')} lines in {name}.md"
+
+
+def bench(session) -> str:
+    return _bench(session, "bench", "--shapes", session.options.bench_shapes)
+
+
+def fullbench(session) -> str:
+    return _bench(session, "bench")
+
+
+def crossover(session) -> str:
+    log = session.logs / "crossover.log"
+    session.run([PY, "benchmarks/bench_sparse.py", "--shapes", "crossover", "--methods", "fa2_sparse,fa4_sparse,auto",
+                 "--json", session.out / "crossover.json", "--markdown", session.out / "crossover.md"],
+                output=log, timeout=600)
+    return f"{_line_count(session, session.out / 'crossover.md')} lines in crossover.md"
+
+
+def ncu_sections(session, name: str, title: str, summary: Path, kernels: str, skip: int, *profile_args: str) -> None:
+    """Two launches' speed-of-light, occupancy, stall and memory sections; their key lines go to `summary`."""
+    log = session.logs / f"{name}.txt"
+    sections = [word for section in NCU_SECTIONS for word in ("--section", section)]
+    session.run(["ncu", "--clock-control", "none", "-k", f"regex:{kernels}", "--launch-skip", str(skip),
+                 "--launch-count", "2", *sections, PY, "benchmarks/profile_decode.py", *profile_args],
+                output=log, timeout=200)
+    key_lines = [line for line in session.read(log).splitlines() if NCU_KEY_LINES.search(line)]
+    session.act(f"append ncu {title}'s key lines to {summary.name}", _append, summary,
+                "\n".join([f"### ncu {title}", *key_lines]) + "\n")
+
+
+def profile(session) -> str:
+    report = session.out / "profile.txt"
+    session.run([PY, "benchmarks/profile_decode.py"], output=report, timeout=300)
+    if not session.options.no_profile_ncu:
+        for target in ["B8 Sq16", "B8 Sq1 ", "B1 Sq1"]:  # "B8 Sq1 ": not a prefix of "B8 Sq16"
+            ncu_sections(session, f"ncu-{target.strip().replace(' ', '_')}", target, report, "flash_fwd_sparse|combine", 6,
+                         "--ncu-target", target)
+    return f"{_line_count(session, report)} lines in profile.txt"
+
+
+def profile_fa4(session) -> str:
+    report = session.out / "profile-fa4.txt"
+    session.run([PY, "benchmarks/profile_decode.py", "--backend", "fa4"], output=report, timeout=300)
+    ncu_sections(session, "ncu-fa4-B8_Sq16", "fa4 B8 Sq16", report,
+                 "FlashAttentionForwardSm90|FlashAttentionForwardCombine", 4, "--backend", "fa4", "--ncu-target", "B8 Sq16")
+    return f"{_line_count(session, report)} lines in profile-fa4.txt"
+
+
+def sweep(session) -> str:
+    report = session.out / "sweep.txt"
+    session.run([PY, "benchmarks/profile_decode.py", "--split-sweep", *shlex.split(session.options.sweep_args)],
+                output=report, timeout=300)
+    return f"{sum(line.startswith('##') for line in session.read(report).splitlines())} shapes in sweep.txt"
+
+
+def variant_test_root(session, name: str, tests_dir: Path) -> Path:
+    """A folder standing in for the repo root: the repo's entries linked, tests/ a copy with the
+    variant's changed test files laid over it (the repo's tests/ is never touched)."""
+    root = session.scratch / f"variant-{name}"
+    session.act(f"make {root}: the repo linked, tests/ copied with {tests_dir}/* over it",
+                _lay_variant_root, session.root, root, tests_dir)
+    return root
+
+
+def _lay_variant_root(repo: Path, root: Path, tests_dir: Path) -> None:
+    shutil.rmtree(root, ignore_errors=True)
+    root.mkdir(parents=True)
+    for entry in repo.iterdir():
+        if entry.name != "tests":
+            (root / entry.name).symlink_to(entry)
+    shutil.copytree(repo / "tests", root / "tests", ignore=shutil.ignore_patterns("__pycache__"))
+    for file in tests_dir.iterdir():
+        shutil.copy(file, root / "tests" / file.name)
+
+
+def variants(session) -> str:
+    diffs = session.options.variants or sorted((session.root / ".carry/variants").glob("*.diff"))
+    chosen = session.options.variant_tests.split()
+    results = []
+    for diff in diffs:
+        diff = session.root / diff
+        name = diff.stem
+        site = build_mutant(session, f"variant-{name}", diff)
+        if site is None:
+            results.append(f"{name}: build FAILED")
+            continue
+        session.act(f"tar the {name} wheel into variant-{name}-wheel.tar", _tar_wheel, session, name)
+        env = {"PYTHONPATH": str(site)}
+        session.run([PY, "benchmarks/profile_decode.py"], output=session.out / f"profile-{name}.txt", timeout=300, env=env)
+        if not ("all" in chosen or name in chosen):
+            results.append(f"{name}: profiled, tests not run")
+            continue
+        own_tests = diff.with_suffix(".tests")
+        if own_tests.is_dir():
+            root = variant_test_root(session, name, own_tests)
+            outcome = run_pytest(session, f"variant-{name}", str(root / "tests"), "-m", "gpu", env=env, cwd_root=root)
+        else:
+            outcome = run_pytest(session, f"variant-{name}", "tests", "-m", "gpu", env=env)
+        results.append(f"{name}: {outcome}")
+    return "; ".join(results) or "no variants given"
+
+
+def _tar_wheel(session, name: str) -> None:
+    tar_one(session.mutant_wheel, session.out / f"variant-{name}-wheel.tar")
+
+
+def tar_one(path: Path, tar_path: Path) -> None:
+    # "+" in a wheel's name does not come back from the device machine; a tar does.
+    with tarfile.open(tar_path, "w") as tar:
+        tar.add(path, arcname=path.name)
+
+
+def ncu_dense(session) -> str:
+    report = session.out / "ncu-dense.txt"
+    metrics = ",".join((session.root / "benchmarks/ncu_metrics.txt").read_text().split())
+    for target_ in session.options.ncu_targets.split():
+        target = target_.replace("_", " ")
+        csv = session.logs / f"ncu-dense-{target_}.csv"
+        session.run(["ncu", "--clock-control", "none", "-k", "regex:flash_fwd_sparse_kernel|flash_fwd_splitkv_kernel|flash_fwd_kernel",
+                     "--launch-skip", "2", "--launch-count", "2", "--csv", "--metrics", metrics,
+                     PY, "benchmarks/profile_decode.py", "--ncu-target", target, "--ncu-dense"], output=csv, timeout=200)
+        session.act(f"append ### ncu dense {target} to {report.name}", _append, report, f"### ncu dense {target}\n")
+        session.run([PY, "benchmarks/ncu_table.py", csv], output=report, append=True)
+    return f"{_line_count(session, report)} lines in ncu-dense.txt"
+
+
+def ncu_sass(session, name: str, count: int, *profile_args: str) -> str:
+    """ncu --set full over `count` sparse-kernel launches: the report, its per-SASS-instruction CSV, its details."""
+    report = session.out / f"{name}.ncu-rep"
+    session.run(["ncu", "--set", "full", "--clock-control", "none", "-k", "regex:flash_fwd_sparse_kernel",
+                 "--launch-skip", "2", "--launch-count", str(count), "-o", session.out / name,
+                 PY, "benchmarks/profile_decode.py", *profile_args], output=session.logs / f"ncu-{name}.log", timeout=300)
+    sass = session.logs / f"{name}-sass.csv"
+    if session.run(["ncu", "--import", report, "--page", "source", "--print-source", "sass", "--csv"], output=sass) == 0:
+        session.act(f"gzip {sass.name} into {name}-sass.csv.gz", _gzip, sass, session.out / f"{name}-sass.csv.gz")
+    session.run(["ncu", "--import", report, "--page", "details", "--csv"], output=session.out / f"{name}-details.csv")
+    size = 0 if session.dry_run or not report.exists() else report.stat().st_size >> 10
+    return f"ncu {name}: {size} KB report, {_line_count(session, sass)} SASS lines"
+
+
+def ncu_source(session) -> str:
+    return ncu_sass(session, "sparse-dense", 1, "--ncu-target", "B1 Sq1", "--ncu-dense")
+
+
+def ncu_spec(session) -> str:
+    return ncu_sass(session, "spec", 2, "--ncu-target", "B8 Sq16", "--ncu-speculative")
+
+
+def fa4_prefill_check(session) -> str:
+    """This flash-attn-4, then each wheel in .carry/fa4variants/NAME/ and the pristine release if
+    carried in .carry/fa4pristine, each with its own kernel cache; this build's is laid back after."""
+    report, errors = session.out / "fa4-prefill-check.txt", session.logs / "fa4-prefill-check.log"
+    session.run([PY, "benchmarks/fa4_prefill_check.py"], output=report, stderr=errors, timeout=150)
+    others = sorted(session.root.glob(".carry/fa4variants/*/flash_attn_4-*.whl"))
+    others += sorted(session.root.glob(".carry/fa4pristine/flash_attn_4-*.whl"))
+    for wheel in others:
+        name = wheel.parent.name
+        flags = ["--pristine"] if name == "fa4pristine" else ["--label", name]
+        if session.lay_fa4_wheel(wheel) == 0:
+            session.run([PY, "benchmarks/fa4_prefill_check.py", *flags], output=report, append=True, stderr=errors,
+                        timeout=150, env={"FLASH_ATTENTION_CUTE_DSL_CACHE_DIR": f"/tmp/cutedsl-cache-{name}"})
+    session.lay_fa4_wheel(session.fa4_wheel)
+    return f"{sum(' ms ' in line for line in session.read(report).splitlines())} rows in fa4-prefill-check.txt"
+
+
+def fuzz(session) -> str:
+    log = session.logs / "fuzz.log"
+    budget = session.options.fuzz_budget_s
+    session.run([PY, "tests/fuzz/run.py", "--seed", str(session.options.fuzz_seed), "--budget-s", str(budget)],
+                output=log, timeout=budget + 120)
+    return f"fuzz: {_last_line(session, log)}"
+
+
+def upstream_fa2(session) -> str:
+    log = session.logs / "upstream-fa2.log"
+    session.run([PY, "tests/upstream/run_upstream.py"], output=log, timeout=session.options.pytest_timeout)
+    return f"upstream FA-2 tests: {_last_line(session, log)}"
+
+
+def examples(session) -> str:
+    results = []
+    for example in sorted((session.root / "examples").glob("*.py")):
+        log = session.logs / f"example-{example.stem}.log"
+        rc = session.run([PY, example.relative_to(session.root)], output=log, timeout=300)
+        results.append(f"{example.name} {'ok' if rc == 0 else f'FAILED (exit {rc})'}")
+    return "; ".join(results) or "no examples"
+
+
+def _append(path: Path, text: str) -> None:
+    with open(path, "a") as file:
+        file.write(text)
+
+
+def _gzip(source: Path, target: Path) -> None:
+    with open(source, "rb") as raw, gzip.open(target, "wb") as packed:
+        shutil.copyfileobj(raw, packed)
+
+
+def recreate(path: Path) -> None:
+    shutil.rmtree(path, ignore_errors=True)
+    path.mkdir(parents=True)
+
+
+STEPS = {
+    "tests": ("every GPU test, or those --pytest-args names (files, -k), within --pytest-timeout s", tests),
+    "mutation": ("build with V stepping densely: the permuted-list tests must fail", mutation),
+    "sanitize": ("compute-sanitizer memcheck, racecheck, initcheck over the sparse kernels (tests/sanitize.py)", sanitize),
+    "reliability": ("tests/test_reliability_gpu.py", reliability),
+    "fa4": ("the stage-4 (FA-4 backend) tests", fa4),
+    "bench": ("benchmarks/bench_sparse.py on --bench-shapes: bench.md, bench.json", bench),
+    "fullbench": ("benchmarks/bench_sparse.py's whole matrix: bench.md, bench.json", fullbench),
+    "crossover": ("FA-2 vs FA-4 vs auto as query rows grow: crossover.md, crossover.json", crossover),
+    "profile": ("benchmarks/profile_decode.py, then ncu on the decode kernels (not with --no-profile-ncu)", profile),
+    "profile-fa4": ("the profile step on FA-4's SM90 kernel, then ncu on it at B8 Sq16 1/16", profile_fa4),
+    "sweep": ("profile_decode.py --split-sweep (--sweep-args): every split count beside the heuristic's", sweep),
+    "variants": ("each --variant diff built as a mutant wheel: its profile, then its GPU tests (--variant-tests)", variants),
+    "ncu-dense": ("ncu counters of the sparse kernel, every block listed, beside upstream's dense one (--ncu-targets)", ncu_dense),
+    "ncu-source": ("per-SASS-instruction counters and stalls of the sparse kernel, every block listed, B1 Sq1", ncu_source),
+    "ncu-spec": ("the same for the union pass and the one-launch speculative call, B8 Sq16 1/16", ncu_spec),
+    "fa4-prefill-check": ("benchmarks/fa4_prefill_check.py on this, carried variant and pristine flash-attn-4", fa4_prefill_check),
+    "fuzz": ("tests/fuzz/run.py --seed --fuzz-seed --budget-s --fuzz-budget-s", fuzz),
+    "upstream-fa2": ("upstream FA-2's tests on this wheel (tests/upstream/run_upstream.py)", upstream_fa2),
+    "example": ("every examples/*.py, each must exit 0", examples),
+}

@@ -1,0 +1,133 @@
+"""Tests of `python -m forktools gpu` on this CPU: the step list, refusals, the order steps run
+in, the command lines a dry run shows, and that a variant's tests get their own folder."""
+
+from __future__ import annotations
+
+import argparse
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.append(str(REPO / "python"))  # appended: an installed flash_attn_sparse keeps precedence
+
+from forktools import gpu, gpu_steps  # noqa: E402
+from forktools.__main__ import main  # noqa: E402
+
+pytestmark = pytest.mark.tooling
+SHELL_STEPS = ["tests", "mutation", "sanitize", "reliability", "fa4", "bench", "fullbench", "crossover", "profile",
+               "profile-fa4", "sweep", "variants", "ncu-dense", "ncu-source", "ncu-spec", "fa4-prefill-check"]
+
+
+def dry_run(capsys, *args: str) -> list[str]:
+    """The `+ command` lines of a dry run, in order."""
+    assert main(["gpu", "--dry-run", *args]) == 0
+    return [line[2:] for line in capsys.readouterr().out.splitlines() if line.startswith("+ ")]
+
+
+def test_list_names_every_step_with_one_line_of_help(capsys):
+    assert main(["gpu", "--list"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert [line.split()[0] for line in lines] == list(gpu_steps.STEPS)
+    assert set(SHELL_STEPS + ["fuzz", "upstream-fa2", "example"]) == set(gpu_steps.STEPS)
+    assert all(len(line.split(maxsplit=1)) == 2 for line in lines)
+
+
+def test_an_unknown_step_exits_non_zero_before_anything_runs(capsys, tmp_path):
+    code = main(["gpu", "--out", str(tmp_path / "out"), "tests", "benhc"])
+    captured = capsys.readouterr()
+    assert code != 0
+    assert "unknown step 'benhc'" in captured.err
+    assert captured.out == "" and not (tmp_path / "out").exists()
+
+
+def test_the_command_line_refuses_an_unknown_step():
+    run = subprocess.run([sys.executable, "-m", "forktools", "gpu", "nonsense"], cwd=REPO, capture_output=True,
+                         text=True, env={"PYTHONPATH": str(REPO / "python"), "PATH": "/usr/bin:/bin"})
+    assert run.returncode != 0 and "unknown step 'nonsense'" in run.stderr
+
+
+def test_steps_run_in_the_order_given_after_the_one_build(capsys, tmp_path):
+    commands = dry_run(capsys, "--out", str(tmp_path), "sweep", "tests", "sanitize")
+    joined = [" ".join(command.split()[:3]) for command in commands]
+    build = next(i for i, c in enumerate(commands) if "forktools build --profile dev" in c)
+    sweep = next(i for i, c in enumerate(commands) if "--split-sweep" in c)
+    pytest_ = next(i for i, c in enumerate(commands) if "-m pytest" in c)
+    sanitize = next(i for i, c in enumerate(commands) if "tests/sanitize.py" in c)
+    assert build < sweep < pytest_ < sanitize, joined
+    assert sum("forktools build" in c for c in commands) == 1
+
+
+def test_dry_run_command_lines_put_everything_under_the_output_folder(capsys, tmp_path):
+    out = tmp_path / "results"
+    commands = dry_run(capsys, "--out", str(out), "--pytest-args", "tests/test_stage5_api.py -k paged",
+                       "--bench-shapes", "decode", "tests", "bench")
+    pytest_line = next(c for c in commands if "-m pytest" in c)
+    assert "-m gpu tests/test_stage5_api.py -k paged" in pytest_line
+    assert f"> {out}/logs/pytest-gpu.log" in pytest_line
+    bench_line = next(c for c in commands if "bench_sparse.py" in c)
+    assert "--shapes decode" in bench_line and f"--json {out}/bench.json" in bench_line
+    assert not out.exists(), "a dry run writes nothing"
+
+
+def test_a_given_wheel_is_installed_without_a_build(capsys, tmp_path):
+    commands = dry_run(capsys, "--out", str(tmp_path), "--wheel", "variant-x-wheel.tar", "tests")
+    assert not any("forktools build" in c or "forktools upstream" in c for c in commands)
+    assert any(c.startswith("extract variant-x-wheel.tar") for c in commands)
+
+
+def test_reusing_the_fa2_wheel_builds_only_flash_attn_4(capsys, tmp_path):
+    commands = dry_run(capsys, "--out", str(tmp_path), "--reuse-fa2-wheel", "fa4")
+    builds = [c for c in commands if "forktools build" in c]
+    assert len(builds) == 1 and "--fa4-only" in builds[0]
+
+
+def test_hooks_call_the_fuzzer_upstream_tests_and_examples(capsys, tmp_path):
+    commands = dry_run(capsys, "--out", str(tmp_path), "--fuzz-seed", "7", "--fuzz-budget-s", "60",
+                       "fuzz", "upstream-fa2", "example")
+    assert any("tests/fuzz/run.py --seed 7 --budget-s 60" in c for c in commands)
+    assert any("tests/upstream/run_upstream.py" in c for c in commands)
+    examples = sorted((REPO / "examples").glob("*.py"))
+    assert examples, "examples/ holds at least the quickstart"
+    for example in examples:
+        assert any(f"examples/{example.name}" in c for c in commands)
+
+
+def test_a_variant_s_tests_run_from_their_own_folder(tmp_path):
+    repo = tmp_path / "repo"
+    (repo / "tests").mkdir(parents=True)
+    (repo / "tests" / "test_a.py").write_text("main's a\n")
+    (repo / "tests" / "test_b.py").write_text("main's b\n")
+    (repo / "python").mkdir()
+    (repo / "pytest.ini").write_text("[pytest]\n")
+    changed = tmp_path / "x.tests"
+    changed.mkdir()
+    (changed / "test_b.py").write_text("the variant's b\n")
+    options = argparse.Namespace(cutedsl_site=None)
+    session = gpu.Session(root=repo, out=tmp_path / "out", scratch=tmp_path / "scratch", options=options)
+    root = gpu_steps.variant_test_root(session, "x", changed)
+    assert (root / "tests" / "test_a.py").read_text() == "main's a\n"
+    assert (root / "tests" / "test_b.py").read_text() == "the variant's b\n"
+    assert (repo / "tests" / "test_b.py").read_text() == "main's b\n", "the repo's tests/ is untouched"
+    assert (root / "python").resolve() == (repo / "python").resolve()
+    assert (root / "pytest.ini").is_symlink()
+
+
+def test_a_failing_step_makes_the_exit_non_zero_and_the_summary_says_so(tmp_path, monkeypatch):
+    monkeypatch.setattr(gpu, "describe_machine", lambda session: None)
+    monkeypatch.setattr(gpu, "prepare_wheel", lambda session: tmp_path / "flash_attn-1.whl")
+    monkeypatch.setattr(gpu, "install", lambda session, wheel: True)
+
+    def failing(session):
+        session.run([sys.executable, "-c", "print('boom'); raise SystemExit(3)"], output=session.logs / "x.log")
+        return "it failed"
+
+    monkeypatch.setitem(gpu_steps.STEPS, "tests", ("a failing stand-in", failing))
+    out = tmp_path / "out"
+    code = main(["gpu", "--out", str(out), "--scratch", str(tmp_path / "scratch"), "tests"])
+    assert code == 1
+    summary = (out / "summary.txt").read_text()
+    assert "| tests | 3 |" in summary and "it failed" in summary
+    assert (out / "logs.tar.gz").exists() and not (out / "logs").exists()
