@@ -50,7 +50,7 @@ def check_patches(session: nox.Session) -> None:
 
 @nox.session
 def build(session: nox.Session) -> None:
-    """Build the patched wheel into dist/ and install it ([--profile dev|full] [--arch 90] [--jobs N] [--reuse])."""
+    """Build and install the patched wheels (FLASH_ATTN_SPARSE_PROFILE=dev|full, _ARCH=80,90, _JOBS=N; or -- --reuse)."""
     _forktools(session, "build", "--install")
 
 
@@ -64,6 +64,12 @@ def test(session: nox.Session) -> None:
 def review(session: nox.Session) -> None:
     """Review a stage: its notes, its patches' diffstat, its tests (nox -s review -- N)."""
     _forktools(session, "review")
+
+
+@nox.session
+def lint(session: nox.Session) -> None:
+    """Run ruff over the tree (config in pyproject.toml; arguments after -- go to ruff check)."""
+    session.run("ruff", "check", ".", *session.posargs)
 
 
 @nox.session

@@ -107,7 +107,7 @@ def to_blocks(lists, shape):
     if shape.causal:
         full, mask = lists
         return SparseBlocks.from_lists(full, mask, block_size=BLOCK, q_block_size=BLOCK, device="cuda")
-    return SparseBlocks.from_lists([[[l] for l in per_b] for per_b in lists], block_size=BLOCK, device="cuda")
+    return SparseBlocks.from_lists([[[row] for row in per_b] for per_b in lists], block_size=BLOCK, device="cuda")
 
 
 def counted_work(shape, lists):
@@ -124,7 +124,7 @@ def counted_work(shape, lists):
         keys = sum(len(set().union(*full_h, *mask_h)) for full_b, mask_b in zip(full, mask)
                    for full_h, mask_h in zip(full_b, mask_b)) * BLOCK
         return 4 * pairs * group * shape.head_dim, 2 * keys * shape.head_dim * 2 + qo_bytes
-    keys = sum(len(l) for per_b in lists for l in per_b) * BLOCK  # over (batch, kv head)
+    keys = sum(len(row) for per_b in lists for row in per_b) * BLOCK  # over (batch, kv head)
     flops = 4 * shape.seqlen_q * group * keys * shape.head_dim
     kv_bytes = 2 * keys * shape.head_dim * 2
     return flops, kv_bytes + qo_bytes
@@ -155,7 +155,7 @@ def flex_block_mask(lists, shape):
                                         BLOCK_SIZE=(BLOCK, BLOCK), mask_mod=lambda b, h, q_idx, kv_idx: q_idx >= kv_idx,
                                         seq_lengths=(shape.seqlen_q, shape.seqlen_k))
     q_blocks = -(-shape.seqlen_q // BLOCK)
-    counts, idx = flex_kv_tables([[[l] for l in per_b] for per_b in lists], shape)
+    counts, idx = flex_kv_tables([[[row] for row in per_b] for per_b in lists], shape)
     counts, idx = counts.expand(-1, -1, q_blocks).contiguous(), idx.expand(-1, -1, q_blocks, -1).contiguous()
     return BlockMask.from_kv_blocks(torch.zeros_like(counts), torch.zeros_like(idx), counts, idx,
                                     BLOCK_SIZE=(BLOCK, BLOCK), seq_lengths=(shape.seqlen_q, shape.seqlen_k))

@@ -27,11 +27,21 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_sparse import (BLOCK, DECODE, ROTATIONS, make_lists, random_inputs, rotated_list_sets,  # noqa: E402
-                          rotating_sparse_call, speculative_calls, speculative_inputs, to_blocks)
 from triton.testing import do_bench_cudagraph  # noqa: E402
 
 import flash_attn_sparse as fas  # noqa: E402
+from bench_sparse import (  # noqa: E402
+    BLOCK,
+    DECODE,
+    ROTATIONS,
+    make_lists,
+    random_inputs,
+    rotated_list_sets,
+    rotating_sparse_call,
+    speculative_calls,
+    speculative_inputs,
+    to_blocks,
+)
 
 LIST_LENGTHS = (0, 1, 2, 4, 8, 16, 32, 64, 128, 256)
 SPLITS = (0, 1, 2, 4, 8)
@@ -123,7 +133,8 @@ def split_sweep(shape, max_splits: int = 32, backend: str = "fa2"):
     times = {splits: 1e3 * timed(rotating_sparse_call(q, k, v, blocks, backend=backend, num_splits=splits))
              for splits in range(max_splits + 1)}
     best = min(range(1, max_splits + 1), key=times.get)
-    print(f"## {shape.name} at 1/{round(1 / shape.density)}: graph us per split count; auto {times[0]:.1f}, best {best} splits {times[best]:.1f}")
+    print(f"## {shape.name} at 1/{round(1 / shape.density)}: graph us per split count; "
+          f"auto {times[0]:.1f}, best {best} splits {times[best]:.1f}")
     print(" | ".join(f"{splits}: {us:.1f}" for splits, us in times.items() if splits), flush=True)
 
 

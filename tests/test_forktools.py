@@ -590,3 +590,18 @@ def test_variant_refuses_a_branch_that_does_not_contain_the_base(exported: Layou
     git(root, "commit", "-q", "-am", "main moves on")
     with pytest.raises(ToolError, match="rebase it onto main"):
         variant.diff(exported, "experiment", base="main")
+
+
+def test_build_options_come_from_the_environment_so_posargs_stay_pytest_s(monkeypatch, tmp_path):
+    """`FLASH_ATTN_SPARSE_ARCH=80 nox -s build test`: nox hands posargs to every session, so the
+    build's options have their own spelling; command-line flags still win."""
+    from forktools import build
+    calls = []
+    monkeypatch.setattr(build, "build", lambda layout, **options: calls.append(options))
+    monkeypatch.setenv("FLASH_ATTN_SPARSE_ARCH", "80,90")
+    monkeypatch.setenv("FLASH_ATTN_SPARSE_PROFILE", "full")
+    monkeypatch.setenv("FLASH_ATTN_SPARSE_JOBS", "3")
+    assert main(["build"], root=tmp_path) == 0
+    assert (calls[-1]["archs"], calls[-1]["profile"], calls[-1]["jobs"]) == (["80", "90"], "full", 3)
+    assert main(["build", "--arch", "120", "--profile", "dev"], root=tmp_path) == 0
+    assert (calls[-1]["archs"], calls[-1]["profile"]) == (["120"], "dev")

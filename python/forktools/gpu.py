@@ -212,7 +212,8 @@ _FA4_MODULE = ("import importlib\nfor name in ('flash_attn_sparse.backends.fa4',
                "    try:\n        f = importlib.import_module(name); break\n"
                "    except ModuleNotFoundError: pass\n")
 FA4_AVAILABILITY = _FA4_MODULE + "print('FA-4 backend:', f.missing_runtime() or 'available')"
-FA4_IMPORT_CHECK = _FA4_MODULE + "import quack, cutlass; print('quack', quack.__file__, 'cutlass', cutlass.__file__); f.import_cute('interface')"
+FA4_IMPORT_CHECK = (_FA4_MODULE + "import quack, cutlass\n"
+                    "print('quack', quack.__file__, 'cutlass', cutlass.__file__); f.import_cute('interface')")
 
 
 def _tar_logs(session: Session) -> None:
@@ -284,7 +285,8 @@ def add_parser(commands) -> None:
                        help=f"install {CARRIED_WHEEL} unbuilt, build only flash-attn-4's wheel, python/ first on the path "
                             "(for a commit whose flash-attn patches and overlay are the wheel's)")
     command.add_argument("--cutedsl-site", type=Path, help="the unpacked CuTe-DSL runtime (gpu_session.sh passes it)")
-    command.add_argument("--pytest-args", dest="test_selection", default="tests", help="what the tests step runs (files, -k; default tests)")
+    command.add_argument("--pytest-args", dest="test_selection", default="tests",
+                         help="what the tests step runs (files, -k; default tests)")
     command.add_argument("--pytest-timeout", type=int, default=900, metavar="S")
     command.add_argument("--bench-shapes", default="B8 Sq16", help="bench step's shapes (e.g. decode)")
     command.add_argument("--bench-methods", help="bench/fullbench methods, comma-separated")
