@@ -1,7 +1,7 @@
 """Check (and refit) FA-4's split-count model against measured split tables.
 
 Reads the "graph us per call vs blocks per (batch, KV head) list" tables that
-`profile_decode.py --backend fa4` prints (STEPS=profile-fa4), one row per forced split count,
+`profile_decode.py --backend fa4` prints (the GPU runner's profile-fa4 step), one row per forced split count,
 and for every (shape, list length) asks which of the measured split counts the model
 (`flash_attn_sparse.fa4.split_time_us`) picks and how much slower that is than the measured best.
 With --fit it searches the model's four constants for the least total of that regret.

@@ -1,5 +1,5 @@
 """An experiment branch as one diff over a base's patched tree: the form `forktools build
---mutation` applies, so benchmarks/gpu_session.sh (step `variants`) can build, test and profile
+--mutation` applies, so `python -m forktools gpu variants` can build, test and profile
 a branch beside the base in one GPU call. Both trees are laid as a build lays them
 (series.materialize), so the diff shows changes to patches, overlay files and the Python package
 alike. The branch must contain the base (rebase it first), and the diff is checked before it is
