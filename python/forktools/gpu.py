@@ -73,6 +73,9 @@ class Session:
                                     stderr=err if stderr else (subprocess.STDOUT if output else None)).returncode
             except subprocess.TimeoutExpired:
                 rc = 124
+            except FileNotFoundError:  # e.g. no ncu on this machine
+                print(f"{words[0]}: not found", file=out or sys.stdout)
+                rc = 127
         self.worst_rc = max(self.worst_rc, rc)
         return rc
 
@@ -196,7 +199,8 @@ def install(session: Session, wheel: Path) -> bool:
     session.fa4_wheel = session.newest("flash_attn_4-*.whl")
     if session.cutedsl_site:
         rc = session.lay_fa4_wheel(session.fa4_wheel)
-        session.note(f"flash-attn-4: {session.fa4_wheel.name}" if rc == 0 else "flash-attn-4 install: FAILED")
+        wheel_name = session.fa4_wheel.name if session.fa4_wheel else "none in dist/, the runtime's own"
+        session.note(f"flash-attn-4: {wheel_name}" if rc == 0 else "flash-attn-4 install: FAILED")
     availability = session.logs / "fa4-backend.txt"
     session.run([sys.executable, "-c", FA4_AVAILABILITY], output=availability)
     session.note((session.read(availability).strip().splitlines() or ["FA-4 backend: (dry run)"])[-1])
