@@ -131,3 +131,24 @@ def test_a_failing_step_makes_the_exit_non_zero_and_the_summary_says_so(tmp_path
     summary = (out / "summary.txt").read_text()
     assert "| tests | 3 |" in summary and "it failed" in summary
     assert (out / "logs.tar.gz").exists() and not (out / "logs").exists()
+
+
+def test_the_mutation_step_succeeds_when_its_tests_fail(tmp_path, monkeypatch):
+    monkeypatch.setattr(gpu, "describe_machine", lambda session: None)
+    monkeypatch.setattr(gpu, "prepare_wheel", lambda session: tmp_path / "flash_attn-1.whl")
+    monkeypatch.setattr(gpu, "install", lambda session, wheel: True)
+    monkeypatch.setattr(gpu_steps, "build_mutant", lambda session, name, diff: tmp_path / "site")
+    outcomes = {}
+
+    def pytest_exits(code):
+        def fake(session, name, *args, env=None, cwd_root=None):
+            session.run([sys.executable, "-c", f"raise SystemExit({code})"])
+            return f"pytest {name}: exit {code}"
+        return fake
+
+    for code in (1, 0):
+        monkeypatch.setattr(gpu_steps, "run_pytest", pytest_exits(code))
+        out = tmp_path / f"out-{code}"
+        outcomes[code] = main(["gpu", "--out", str(out), "--scratch", str(tmp_path / "scratch"), "mutation"])
+        assert ("NOT caught" in (out / "summary.txt").read_text()) == (code == 0)
+    assert outcomes == {1: 0, 0: 1}

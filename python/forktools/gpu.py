@@ -40,6 +40,7 @@ class Session:
     notes: list = dataclasses.field(default_factory=list)
     commands: list = dataclasses.field(default_factory=list)
     worst_rc: int = 0
+    last_rc: int = 0
     fa4_wheel: Path | None = None
     mutant_wheel: Path | None = None
 
@@ -76,7 +77,7 @@ class Session:
             except FileNotFoundError:  # e.g. no ncu on this machine
                 print(f"{words[0]}: not found", file=out or sys.stdout)
                 rc = 127
-        self.worst_rc = max(self.worst_rc, rc)
+        self.worst_rc, self.last_rc = max(self.worst_rc, rc), rc
         return rc
 
     def act(self, description: str, action, *args) -> None:
@@ -264,7 +265,7 @@ def run_session(root: Path, options: argparse.Namespace) -> int:
             (session.out / "summary.txt").write_text(text)
         _tar_logs(session)
         print("== summary\n" + text, end="")
-    return 1 if any(rc for _, rc, _, _ in rows) else 0
+    return 1 if any(rc for _, rc, _, _ in rows) and not options.dry_run else 0
 
 
 def list_steps() -> str:
