@@ -605,3 +605,8 @@ def test_build_options_come_from_the_environment_so_posargs_stay_pytest_s(monkey
     assert (calls[-1]["archs"], calls[-1]["profile"], calls[-1]["jobs"]) == (["80", "90"], "full", 3)
     assert main(["build", "--arch", "120", "--profile", "dev"], root=tmp_path) == 0
     assert (calls[-1]["archs"], calls[-1]["profile"]) == (["120"], "dev")
+
+
+def test_a_build_option_given_to_the_test_command_is_refused_with_its_spelling(capsys, tmp_path):
+    assert main(["test", "-q", "--arch", "80"], root=tmp_path) == 1
+    assert "FLASH_ATTN_SPARSE_ARCH=80 nox -s build test" in capsys.readouterr().err

@@ -60,7 +60,16 @@ def _review(layout: Layout, args: argparse.Namespace) -> int:
     return stages.review(layout, args.stage)
 
 
+BUILD_OPTIONS = ("--profile", "--arch", "--jobs", "--reuse", "--mutation", "--fa4-only", "--install")
+
+
 def _test(layout: Layout, args: argparse.Namespace) -> int:
+    # `nox -s build test -- --arch 80` hands --arch to this session too: say how to spell it.
+    misplaced = [a for a in args.pytest_args if a.split("=")[0] in BUILD_OPTIONS]
+    if misplaced:
+        raise ToolError(f"{' '.join(misplaced)} is a build option, not pytest's: use FLASH_ATTN_SPARSE_PROFILE, "
+                        "FLASH_ATTN_SPARSE_ARCH (e.g. 80,90) or FLASH_ATTN_SPARSE_JOBS, as in "
+                        "`FLASH_ATTN_SPARSE_ARCH=80 nox -s build test`")
     return stages.run_pytest(layout, args.pytest_args)
 
 
