@@ -294,7 +294,7 @@ def static_cache_maker(model):
 def decode_tokens_per_second(model, prompt: Tensor, steps: int, attention: str, graphed: bool,
                              settings: Optional[QuestSettings] = None) -> float:
     """Decode throughput (tokens/s over the batch) after a prefill of `prompt`, on a StaticCache."""
-    max_length = prompt.shape[1] + steps + 8
+    max_length = math.ceil((prompt.shape[1] + steps + 8) / 256) * 256
     if attention == QUEST_ATTENTION:
         install_quest(model, QuestSettings(top_k=settings.top_k, block_size=settings.block_size,
                                            max_length=max_length, backend=settings.backend))

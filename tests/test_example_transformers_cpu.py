@@ -121,7 +121,7 @@ def test_selection_is_top_k_plus_the_tail_block(count, top_k):
 def reference_sparse_attention(q, k, v, blocks, *, softmax_scale, causal, seqused_k, backend):
     """float64 attention of q (b, 1, h, d) over the listed blocks of k, v (b, L, hk, d); no host
     sync either, so that the decode step runs whole under NoHostSync."""
-    batch, _, heads, dim = q.shape
+    batch, _, heads, _ = q.shape
     seqlen_k, heads_k = k.shape[1], k.shape[2]
     num_blocks = math.ceil(seqlen_k / blocks.block_size)
     listed_blocks = torch.zeros(batch, heads_k, num_blocks + 1, dtype=torch.bool)
@@ -151,10 +151,12 @@ def tiny_model():
                              device="cpu", dtype=torch.float32, seed=3)
 
 
-def test_full_density_decodes_the_tokens_of_sdpa(cpu_kernel):
+@pytest.mark.parametrize("static", [False, True], ids=["DynamicCache", "StaticCache"])
+def test_full_density_decodes_the_tokens_of_sdpa(cpu_kernel, static):
     model = tiny_model()
     prompt = torch.randint(0, 97, (2, 27), generator=torch.Generator().manual_seed(0))
-    result = quest.compare_full_density(model, prompt, 24, block_size=16)
+    result = quest.compare_full_density(model, prompt, 24, block_size=16,
+                                        make_cache=quest.static_cache_maker(model) if static else None)
     assert torch.equal(result["reference"], result["quest"])
     assert result["max_logit_diff"] < 1e-4
     assert len(cpu_kernel.calls) == 24 * 2  # every decode step of every layer went through the lists
