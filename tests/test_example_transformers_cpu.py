@@ -188,3 +188,20 @@ def test_sparse_decode_lists_the_brute_force_quest_blocks(cpu_kernel):
                 assert listed(blocks.full_cnt, blocks.full_idx, 0, h) == best
                 assert listed(blocks.mask_cnt, blocks.mask_idx, 0, h) == [tail]
         assert len(cpu_kernel.calls) == 30 * 2
+
+
+@torch.no_grad()
+def test_dense_baseline_on_a_static_cache_decodes_the_tokens_of_sdpa():
+    from transformers import DynamicCache, StaticCache
+    model = tiny_model()
+    prompt = torch.randint(0, 97, (2, 30), generator=torch.Generator().manual_seed(4))
+    reference = quest.GreedyDecoder(model, DynamicCache(config=model.config), prompt, keep_logits=True)
+    ref_tokens, ref_logits = reference.decode_until(20)
+    quest.register_attention_functions()
+    model.set_attn_implementation(quest.DENSE_ATTENTION)
+    dense = quest.GreedyDecoder(model, StaticCache(config=model.config, max_cache_len=64), prompt, keep_logits=True)
+    with NoHostSync():
+        dense.decode(19)
+    tokens, logits = dense.decode_until(20)
+    assert torch.equal(tokens, ref_tokens)
+    torch.testing.assert_close(logits, ref_logits, atol=1e-4, rtol=1e-4)

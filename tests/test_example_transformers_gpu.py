@@ -103,3 +103,21 @@ def test_sparse_decode_equals_attention_over_its_lists(model, monkeypatch):
         assert (listed_keys < seqused_k.view(-1, 1)).all(), "the lists should be sparse"
         assert (blocks.full_cnt == top_k).all() and (blocks.mask_cnt == 1).all()
         torch.testing.assert_close(out.float(), expected, atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.gpu
+@torch.no_grad()
+def test_dense_baseline_in_a_cuda_graph_decodes_the_tokens_of_sdpa(model):
+    """The benchmark's dense baseline (SDPA over a StaticCache masked by position), graphed."""
+    from transformers import DynamicCache, StaticCache
+    prompt = torch.randint(0, 32000, (2, 300), device="cuda", generator=torch.Generator("cuda").manual_seed(3))
+    model.set_attn_implementation("sdpa")
+    reference = quest.GreedyDecoder(model, DynamicCache(config=model.config), prompt)
+    ref_tokens, _ = reference.decode_until(33)
+    quest.register_attention_functions()
+    model.set_attn_implementation(quest.DENSE_ATTENTION)
+    dense = quest.GreedyDecoder(model, StaticCache(config=model.config, max_cache_len=384), prompt)
+    dense.capture()
+    tokens, _ = dense.decode_until(33)
+    model.set_attn_implementation("sdpa")
+    assert torch.equal(tokens, ref_tokens), (tokens, ref_tokens)
