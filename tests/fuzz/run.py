@@ -124,7 +124,8 @@ def compare(got, ref, low, dtype) -> str:
         return "LSE NaN / -inf pattern differs from the reference's"
     if finite.any():
         err = (out - ref_out)[finite].abs().max().item()
-        low_err = (low_out - ref_out)[finite & torch.isfinite(low_out)].abs().max().item() if finite.any() else 0.0
+        low_diff = (low_out - ref_out)[finite & torch.isfinite(low_out)].abs()
+        low_err = low_diff.max().item() if low_diff.numel() else 0.0
         bound = 2 * low_err + ROUNDING[dtype] * max(1.0, ref_out[finite].abs().max().item())
         if err > bound:
             return f"output error {err:.3e} > 2 x {low_err:.3e} + rounding"
