@@ -12,6 +12,7 @@ lists: refused with validate="full"; without it, out-of-range ids and counts are
 clamped like the FA-2 kernels do (metadata.py) and the answer is checked against that.
 """
 
+import functools
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -26,6 +27,7 @@ UNDEFINED_BAD = ("dup", "causal_full", "seqused_over")
 # Violations the cheap validation refuses whatever `validate` says.
 SHAPE_BAD = ("m_blocks_short", "head_extent", "q_block_odd")
 PAGE_BAD = "bad_page"  # memory safe without validation, result unchecked
+PALETTE_SIZE, PALETTE_SHARE = 8, 0.9  # see kernel_palette
 SEQLENS_Q = (1, 1, 2, 3, 7, 16, 33, 64, 100, 130, 200)
 SEQLENS_K = (1, 15, 16, 100, 128, 200, 257, 300, 513, 700, 1000)
 
@@ -88,6 +90,21 @@ def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
+def kernel_class(rng, head_dims=(64, 128)) -> tuple:
+    """(dtype, head dim, block size, K/V heads, GQA group, causal): what selects a compiled kernel."""
+    pick = lambda seq: seq[int(rng.integers(len(seq)))]
+    return (pick(("bf16", "fp16")), pick(tuple(head_dims)), pick(BLOCK_SIZES), pick((1, 1, 2, 3)),
+            pick((1, 1, 2, 3, 4, 8)), bool(rng.random() < 0.5))
+
+
+@functools.lru_cache(maxsize=None)
+def kernel_palette(seed: int, head_dims: tuple) -> list:
+    """The few kernel classes most configurations of run `seed` share, so that the JIT-compiled
+    backend (FA-4) compiles a few kernels and reuses them; other seeds draw other palettes."""
+    rng = np.random.default_rng([seed, 2 ** 32 - 1])
+    return [kernel_class(rng, head_dims) for _ in range(PALETTE_SIZE)]
+
+
 def draw(seed: int, index: int, head_dims=(64, 128), adversarial: bool = False) -> Config:
     """Configuration `index` of run `seed`. adversarial: the sanitizer subset (bad ids, counts and
     page tables, varlen sequences at the edges), small shapes only."""
@@ -98,12 +115,14 @@ def draw(seed: int, index: int, head_dims=(64, 128), adversarial: bool = False) 
         form = pick(("blocks", "varlen", "paged", "table"))
     else:
         form = FORMS[int(rng.choice(len(FORMS), p=FORM_WEIGHTS))]
-    heads_k = pick((1, 1, 2, 3))
-    group = pick((1, 1, 2, 3, 4, 8))
-    c = Config(index=index, form=form, dtype=pick(("bf16", "fp16")), head_dim=pick(tuple(head_dims)),
-               batch=pick((1, 1, 2, 3)), heads_k=heads_k, group=group, block_size=pick(BLOCK_SIZES),
-               q_block_size=None, table_heads=1, seqlens_q=[], seqlens_k=[], causal=chance(0.5),
-               num_splits=pick((0, 0, 0, 1, 2, 3, 5)), validate="full" if chance(0.3) else "cheap")
+    kernel = kernel_class(rng, tuple(head_dims))
+    if not adversarial and chance(PALETTE_SHARE):
+        palette = kernel_palette(seed, tuple(head_dims))
+        kernel = palette[int(rng.integers(len(palette)))]
+    dtype, head_dim, block_size, heads_k, group, causal = kernel
+    c = Config(index=index, form=form, dtype=dtype, head_dim=head_dim, batch=pick((1, 1, 2, 3)), heads_k=heads_k,
+               group=group, block_size=block_size, q_block_size=None, table_heads=1, seqlens_q=[], seqlens_k=[],
+               causal=causal, num_splits=pick((0, 0, 0, 1, 2, 3, 5)), validate="full" if chance(0.3) else "cheap")
     if form == "varlen":
         c.batch = pick((1, 2, 3, 4))
         c.seqlens_q = [pick(SEQLENS_Q + (0,)) for _ in range(c.batch)]
