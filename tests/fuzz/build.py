@@ -127,7 +127,9 @@ class Case:
         """(entries of list row (b, m), its tile index) in the varlen layout; (None, None) batched."""
         if not self.varlen:
             return None, None
-        cu_m, cu_off = blocks.cu_total_m_blocks.tolist(), blocks.cu_block_idx_offsets.tolist()
+        if not hasattr(self, "_prefix_sums"):  # one host read, not one per row
+            self._prefix_sums = blocks.cu_total_m_blocks.tolist(), blocks.cu_block_idx_offsets.tolist()
+        cu_m, cu_off = self._prefix_sums
         width = (cu_off[b + 1] - cu_off[b]) // max(cu_m[b + 1] - cu_m[b], 1)
         start = cu_off[b] + m * width
         return slice(start, start + width), cu_m[b] + m
@@ -250,11 +252,10 @@ class Case:
                              for hs, per_tile in enumerate(lists[b])]
 
     def _capacity(self, b: int) -> int:
-        blocks = self.blocks
         if not self.varlen:
-            return blocks.full_idx.shape[-1]
-        cu_m, cu_off = blocks.cu_total_m_blocks.tolist(), blocks.cu_block_idx_offsets.tolist()
-        return (cu_off[b + 1] - cu_off[b]) // max(cu_m[b + 1] - cu_m[b], 1)
+            return self.blocks.full_idx.shape[-1]
+        row, _ = self._row_slice(self.blocks, b, 0)
+        return row.stop - row.start
 
     def _padded(self, sq_max: int, sk_max: int):
         c = self.c
