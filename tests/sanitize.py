@@ -114,8 +114,9 @@ def sanitize(command) -> int:
         cases = re.search(r"configurations run: (\d+)", run.stdout)
         if cases:
             errors = re.search(r"SUMMARY: (\d+) (errors|hazards)", run.stdout)
-            print(f"{tool}: {cases.group(1)} fuzz cases, {errors.group(1) if errors else '?'} errors "
-                  f"(runner exit {run.returncode})")
+            wrong = re.search(r"failures: (\d+)", run.stdout)
+            print(f"{tool}: {cases.group(1)} fuzz cases, {errors.group(1) if errors else '?'} errors, "
+                  f"{wrong.group(1) if wrong else '?'} fuzz failures (runner exit {run.returncode})")
         summary = [line for line in run.stdout.splitlines() if re.search(r"(ERROR|RACECHECK) SUMMARY", line)]
         clean = run.returncode == 0 and summary and re.search(r" 0 (errors|hazards)", summary[-1])
         failed += not clean
