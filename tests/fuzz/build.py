@@ -202,7 +202,12 @@ class Case:
         return out[bi, qi], lse[bi, :, qi].transpose(0, 1)
 
     def dense_problem(self):
-        """q (B, Sq, H, D), k and v (B, Sk, Hk, D) and visibility (B, H, Sq, Sk)."""
+        """q (B, Sq, H, D), k and v (B, Sk, Hk, D) and visibility (B, H, Sq, Sk); built once."""
+        if not hasattr(self, "_dense"):
+            self._dense = self._dense_problem()
+        return self._dense
+
+    def _dense_problem(self):
         c = self.c
         if c.form == "spec_gather":
             return self._gathered_problem()
