@@ -1,6 +1,8 @@
 """compute-sanitizer over every sparse kernel: `python tests/sanitize.py` (nox -s sanitize).
 `python tests/sanitize.py --fuzz-subset [N]` runs the three tools over the fuzzer's adversarial
-subset instead (tests/fuzz/run.py --sanitizer-subset: N configurations, default 60, on FA-2).
+subset instead (tests/fuzz/run.py --sanitizer-subset: N configurations, default 60, every backend,
+at most 6 FA-4 kernel classes), printing per tool the case count, its error count and the
+fuzzer's own failure count.
 
 Runs memcheck, racecheck and initcheck, each over this file's --cases: adversarial valid calls
 (lists that are empty, one block, the tail block only, every block, as long as the row) of the
@@ -133,7 +135,7 @@ def fuzz_subset_command(argv) -> list:
     count = argv[position + 1] if len(argv) > position + 1 else "60"
     runner = str(Path(__file__).resolve().parent / "fuzz" / "run.py")
     return [sys.executable, runner, "--sanitizer-subset", "--seed", "0", "--count", count, "--budget-s", "1e9",
-            "--backends", "fa2,auto"]
+            "--backends", "fa2,fa4,auto", "--fa4-kernels", "6"]  # FA-4 compiles each class: a few
 
 
 if __name__ == "__main__":
