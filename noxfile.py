@@ -79,6 +79,18 @@ def bench(session: nox.Session) -> None:
 
 
 @nox.session
+def fuzz(session: nox.Session) -> None:
+    """Differential fuzzer of every backend against the reference on a GPU (tests/fuzz/run.py --help)."""
+    session.run(sys.executable, "tests/fuzz/run.py", *session.posargs)
+
+
+@nox.session(name="upstream-tests")
+def upstream_tests(session: nox.Session) -> None:
+    """Upstream flash-attn's forward-only tests the dev build compiles, on the installed wheel (GPU)."""
+    session.run(sys.executable, "tests/upstream/run_upstream.py", *session.posargs)
+
+
+@nox.session
 def sanitize(session: nox.Session) -> None:
     """Run compute-sanitizer (memcheck, racecheck, initcheck) over the sparse kernels on a GPU."""
     session.run(sys.executable, "tests/sanitize.py", *session.posargs)

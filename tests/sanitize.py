@@ -1,4 +1,8 @@
 """compute-sanitizer over every sparse kernel: `python tests/sanitize.py` (nox -s sanitize).
+`python tests/sanitize.py --fuzz-subset [N]` runs the three tools over the fuzzer's adversarial
+subset instead (tests/fuzz/run.py --sanitizer-subset: N configurations, default 60, every backend,
+at most 6 FA-4 kernel classes), printing per tool the case count, its error count and the
+fuzzer's own failure count.
 
 Runs memcheck, racecheck and initcheck, each over this file's --cases: adversarial valid calls
 (lists that are empty, one block, the tail block only, every block, as long as the row) of the
@@ -10,6 +14,7 @@ Prints one summary line per tool and exits non-zero if any reports an error.
 import re
 import subprocess
 import sys
+from pathlib import Path
 
 import torch
 
@@ -103,11 +108,17 @@ def cases():
     torch.cuda.synchronize()
 
 
-def sanitize() -> int:
+def sanitize(command) -> int:
     failed = 0
     for tool in ("memcheck", "racecheck", "initcheck"):
-        run = subprocess.run(["compute-sanitizer", "--tool", tool, "--print-limit", "10", sys.executable, __file__, "--cases"],
+        run = subprocess.run(["compute-sanitizer", "--tool", tool, "--print-limit", "10", *command],
                              capture_output=True, text=True)
+        cases = re.search(r"configurations run: (\d+)", run.stdout)
+        if cases:
+            errors = re.search(r"SUMMARY: (\d+) (errors|hazards)", run.stdout)
+            wrong = re.search(r"failures: (\d+)", run.stdout)
+            print(f"{tool}: {cases.group(1)} fuzz cases, {errors.group(1) if errors else '?'} errors, "
+                  f"{wrong.group(1) if wrong else '?'} fuzz failures (runner exit {run.returncode})")
         summary = [line for line in run.stdout.splitlines() if re.search(r"(ERROR|RACECHECK) SUMMARY", line)]
         clean = run.returncode == 0 and summary and re.search(r" 0 (errors|hazards)", summary[-1])
         failed += not clean
@@ -119,8 +130,18 @@ def sanitize() -> int:
     return 1 if failed else 0
 
 
+def fuzz_subset_command(argv) -> list:
+    position = argv.index("--fuzz-subset")
+    count = argv[position + 1] if len(argv) > position + 1 else "60"
+    runner = str(Path(__file__).resolve().parent / "fuzz" / "run.py")
+    return [sys.executable, runner, "--sanitizer-subset", "--seed", "0", "--count", count, "--budget-s", "1e9",
+            "--backends", "fa2,fa4,auto", "--fa4-kernels", "6"]  # FA-4 compiles each class: a few
+
+
 if __name__ == "__main__":
     if "--cases" in sys.argv:
         cases()
+    elif "--fuzz-subset" in sys.argv:
+        sys.exit(sanitize(fuzz_subset_command(sys.argv)))
     else:
-        sys.exit(sanitize())
+        sys.exit(sanitize([sys.executable, __file__, "--cases"]))

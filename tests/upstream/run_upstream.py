@@ -1,0 +1,72 @@
+"""Upstream flash-attn's own forward-only tests as a gate, on the installed (patched) wheel.
+
+    python tests/upstream/run_upstream.py [--collect-only] [--stub] [pytest args...]
+
+Unpacks ../shared/upstream/flash-attention-v2.8.3-tests.tar.gz (its sha256 checked against
+the table in ../shared/upstream/README.md) into a temporary folder and runs pytest over its
+tests/test_flash_attn.py with the selection plugin fa2_forward_selection.py (which tests, and
+why). Prints the pass / skip / fail / deselected counts; exits with pytest's status.
+--stub (with --collect-only) collects without a GPU or flash_attn (collect_stubs.py).
+"""
+
+import hashlib
+import os
+import re
+import subprocess
+import sys
+import tarfile
+import tempfile
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+SHARED = HERE.parent.parent.parent / "shared" / "upstream"
+ARCHIVE = "flash-attention-v2.8.3-tests.tar.gz"
+COUNTS = ("passed", "skipped", "failed", "error", "deselected")
+
+
+def expected_sha256(readme: Path, archive: str) -> str:
+    for line in readme.read_text().splitlines():
+        if line.startswith(f"| `{archive}`"):
+            return re.findall(r"`([0-9a-f]{64})`", line)[-1]
+    raise SystemExit(f"{readme}: no sha256 row for {archive}")
+
+
+def unpack(shared: Path, into: Path) -> Path:
+    archive = shared / ARCHIVE
+    digest = hashlib.sha256(archive.read_bytes()).hexdigest()
+    if digest != expected_sha256(shared / "README.md", ARCHIVE):
+        raise SystemExit(f"{archive}: sha256 {digest} is not the one README.md records")
+    with tarfile.open(archive) as tar:
+        try:
+            tar.extractall(into, filter="data")
+        except TypeError:  # Python before 3.11.4 has no filters; the archive's content is checked above
+            tar.extractall(into)
+    (into / "pytest.ini").write_text("[pytest]\n")  # keep this repo's pytest.ini out
+    return into / "tests" / "test_flash_attn.py"
+
+
+def summary(output: str) -> dict:
+    last = [line for line in output.splitlines() if re.search(r"\d+ (passed|deselected|failed|skipped|error)", line)]
+    return {key: int(m.group(1)) for key in COUNTS if (m := re.search(rf"(\d+) {key}", last[-1] if last else ""))}
+
+
+def main(argv) -> int:
+    stub = "--stub" in argv
+    args = [a for a in argv if a != "--stub"]
+    with tempfile.TemporaryDirectory(prefix="fa2-upstream-") as tmp:
+        test_file = unpack(Path(os.environ.get("FA_UPSTREAM_SHARED", SHARED)), Path(tmp))
+        plugins = ["-p", "collect_stubs"] if stub else []
+        command = [sys.executable, "-m", "pytest", *plugins, "-p", "fa2_forward_selection", "-p", "no:cacheprovider",
+                   "--rootdir", tmp, "-q", "-rfE", str(test_file), *args]
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")])}
+        run = subprocess.run(command, cwd=tmp, env=env, capture_output=True, text=True)
+    print(run.stdout[-6000:], run.stderr[-2000:], sep="\n")
+    counts = summary(run.stdout)
+    collected = sum(1 for line in run.stdout.splitlines() if "::" in line) if "--collect-only" in args else None
+    print("upstream test_flash_attn.py (forward-only selection): "
+          + ", ".join(f"{k} {counts.get(k, 0)}" for k in COUNTS) + (f", collected {collected}" if collected is not None else ""))
+    return run.returncode
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
