@@ -46,7 +46,10 @@ def build(case: Case, dtype=torch.float64, device="cpu"):
     rng = random.Random(case.seed)
     gen = torch.Generator().manual_seed(case.seed)
     batch = len(case.seqlens_q)
-    case.boundaries = [_boundaries(rng, sk, case.world, case.block_size) for sk in case.seqlens_k]
+    if case.varlen:
+        case.boundaries = [_boundaries(rng, sk, case.world, case.block_size) for sk in case.seqlens_k]
+    else:  # one cut for every sequence of a batch
+        case.boundaries = [_boundaries(rng, case.seqlens_k[0], case.world, case.block_size)] * batch
     heads_of_table = {"shared": 1, "kv": case.heads_k, "q": case.heads}[case.table_heads]
     full, mask = [], []
     for b in range(batch):
@@ -79,8 +82,9 @@ def build(case: Case, dtype=torch.float64, device="cpu"):
     return q, k, v, full, mask, blocks
 
 
-def oracle(case: Case, q, k, v, full, mask):
-    """Unsharded attention over the lists, fp64: (out, lse) in the layout of the sparse calls."""
+def oracle(case: Case, q, k, v, full, mask, dtype=torch.float64):
+    """Unsharded attention over the lists in `dtype` (fp64: the oracle; the inputs' dtype: the
+    low-precision error of FlashAttention's tolerance): (out, lse) in the sparse calls' layout."""
     outs, lses = [], []
     cq = [0] + torch.tensor(case.seqlens_q).cumsum(0).tolist()
     ck = [0] + torch.tensor(case.seqlens_k).cumsum(0).tolist()
@@ -89,7 +93,7 @@ def oracle(case: Case, q, k, v, full, mask):
         q_block = case.q_block_size or (128 if case.varlen else cdiv(max(qb.shape[0], 1), 128) * 128)
         visible = visibility_from_lists(full[b], mask[b], case.block_size, q_block, qb.shape[0], kb.shape[0],
                                         case.heads, case.causal, device=q.device)
-        out, lse = attention_ref(qb[None].double(), kb[None].double(), vb[None].double(), visible[None])
+        out, lse = attention_ref(qb[None], kb[None], vb[None], visible[None], dtype=dtype)
         outs.append(out[0]), lses.append(lse[0])
     if case.varlen:
         return torch.cat(outs), torch.cat(lses, dim=-1)
