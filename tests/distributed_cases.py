@@ -32,7 +32,7 @@ class Case:
     paged: bool = False
     empty_shard: Optional[int] = None  # a rank whose blocks no list names
     seed: int = 0
-    boundaries: List[List[int]] = field(default_factory=list)  # per sequence: world + 1 key positions
+    boundaries: List[List[int]] = field(default_factory=list)  # per sequence: world + 1 key positions (drawn if empty)
 
 
 def _boundaries(rng: random.Random, seqlen_k: int, world: int, block_size: int) -> List[int]:
@@ -46,7 +46,9 @@ def build(case: Case, dtype=torch.float64, device="cpu"):
     rng = random.Random(case.seed)
     gen = torch.Generator().manual_seed(case.seed)
     batch = len(case.seqlens_q)
-    if case.varlen:
+    if case.boundaries:  # cuts given
+        pass
+    elif case.varlen:
         case.boundaries = [_boundaries(rng, sk, case.world, case.block_size) for sk in case.seqlens_k]
     else:  # one cut for every sequence of a batch
         case.boundaries = [_boundaries(rng, case.seqlens_k[0], case.world, case.block_size)] * batch

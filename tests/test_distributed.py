@@ -110,6 +110,8 @@ CASES = [
     Case("paged", 3, [3, 3], [120, 120], block_size=32, paged=True, causal=True, seed=7),
     Case("paged-prefill", 2, [80], [128], block_size=32, paged=True, causal=True, q_block_size=64, seed=8),
     Case("varlen-kv", 3, [1, 70, 4], [100, 64, 150], varlen=True, q_block_size=64, seed=9),
+    # shard 0 has 96 keys after it: rows 0-103 causal, the non-causal call starts at tile 1 (row 64)
+    Case("prefill-split-mid-tile", 2, [200], [256], q_block_size=64, causal=True, seed=12, boundaries=[[0, 160, 256]]),
     Case("varlen-q", 2, [2, 1], [50, 33], table_heads="q", varlen=True, seed=10),
 ]
 
@@ -139,6 +141,18 @@ def test_shard_and_merge_in_one_process(case):
     check(case, out, lse, *oracle(case, q, k, v, full, mask))
 
 
+def test_local_lists_equal_global_lists():
+    """Each rank's own (already split) lists give what the global lists give."""
+    case = CASES[2]
+    q, k, v, _, _, blocks = build(case)
+    for rank in range(case.world):
+        (q_, k_, v_, _, shard), kwargs = shard_arguments(case, rank, q, k, v, blocks)
+        own = shard_blocks(blocks, shard.start, shard.stop)
+        got = local_attention(q_, k_, v_, own, shard, local_lists=True, **kwargs)
+        want = local_attention(q_, k_, v_, blocks, shard, **kwargs)
+        assert all(torch.equal(a, b) for a, b in zip(got, want))
+
+
 def test_empty_shard_is_neutral():
     case = Case("neutral", 3, [4], [96], causal=True, empty_shard=0, seed=11)
     q, k, v, _, _, blocks = build(case)
@@ -154,6 +168,7 @@ def _free_port():
 
 def _worker(rank, world, port, runs, error_dir):
     try:
+        torch.set_num_threads(1)  # the ranks share the machine's cores
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
                                 timeout=timedelta(seconds=90))
         for case, merge in runs:
@@ -173,11 +188,12 @@ def _worker(rank, world, port, runs, error_dir):
 
 
 def run_group(world, runs, timeout_s=150):
-    """Spawns `world` gloo ranks over `runs` ((case, merge) pairs; one group, as each rank's
-    start, mostly importing torch, is what costs time); fails with the first rank's traceback, or after
+    """Forks `world` gloo ranks over `runs` ((case, merge) pairs); forked, not spawned, since a
+    spawned rank spends seconds importing torch and the package; fails with the first rank's traceback, or after
     timeout_s (then terminates the ranks it started)."""
     with tempfile.TemporaryDirectory() as error_dir:
-        context = mp.spawn(_worker, args=(world, _free_port(), runs, error_dir), nprocs=world, join=False)
+        context = mp.start_processes(_worker, args=(world, _free_port(), runs, error_dir), nprocs=world, join=False,
+                                     start_method="fork")
         deadline = time.monotonic() + timeout_s
         try:
             while not context.join(timeout=1):
@@ -193,7 +209,7 @@ def run_group(world, runs, timeout_s=150):
 
 
 def with_world(cases, world):
-    return [dataclasses.replace(case, world=world) for case in cases]
+    return [dataclasses.replace(case, world=world, boundaries=[]) for case in cases]
 
 
 def test_gloo_two_ranks_both_merges():
@@ -202,5 +218,8 @@ def test_gloo_two_ranks_both_merges():
     run_group(2, runs)
 
 
-def test_gloo_four_ranks():
-    run_group(4, [(case, "all_gather") for case in with_world(CASES, 4)])
+@pytest.mark.parametrize("world", [3, 4])
+def test_gloo_more_ranks(world):
+    runs = [(case, "all_gather") for case in with_world(CASES, world)]
+    runs += [(case, "owner") for case in with_world(CASES[:3], world)]
+    run_group(world, runs)
