@@ -17,7 +17,7 @@ import torch.multiprocessing as mp
 
 from distributed_cases import Case, build, oracle, shard_arguments
 from flash_attn_sparse import SparseBlocks, SparseInputError
-from flash_attn_sparse.distributed import (combine_partials, local_attention, pack_partial, sharded_sparse_attention,
+from flash_attn_sparse.distributed import (KeyShard, combine_partials, local_attention, pack_partial, sharded_sparse_attention,
                                            unpack_partials)
 from flash_attn_sparse.metadata import pack_varlen_lists
 from flash_attn_sparse.shard_lists import shard_blocks
@@ -158,6 +158,9 @@ def test_empty_shard_is_neutral():
     q, k, v, _, _, blocks = build(case)
     out, lse = local_attention(*shard_arguments(case, 0, q, k, v, blocks)[0], causal=True)
     assert torch.all(out == 0) and torch.all(lse == float("-inf"))
+    no_keys = KeyShard(32, 32, seqlen_k=96)  # a shard holding no key launches nothing
+    out, lse = local_attention(q, k[:, :0], v[:, :0], blocks, no_keys, causal=True)
+    assert out.shape == q.shape and torch.all(out == 0) and lse.shape == (1, case.heads, 4) and torch.all(lse == float("-inf"))
 
 
 def _free_port():
@@ -188,12 +191,14 @@ def _worker(rank, world, port, runs, error_dir):
 
 
 def run_group(world, runs, timeout_s=150):
-    """Forks `world` gloo ranks over `runs` ((case, merge) pairs); forked, not spawned, since a
-    spawned rank spends seconds importing torch and the package; fails with the first rank's traceback, or after
+    """Forks `world` gloo ranks over `runs` ((case, merge) pairs); forked where it is safe, since
+    a spawned rank spends seconds importing torch and the package; fails with the first rank's traceback, or after
     timeout_s (then terminates the ranks it started)."""
     with tempfile.TemporaryDirectory() as error_dir:
+        # Forking a process that has initialised CUDA is unsafe (a GPU machine running the whole suite).
+        start_method = "spawn" if torch.cuda.is_initialized() else "fork"
         context = mp.start_processes(_worker, args=(world, _free_port(), runs, error_dir), nprocs=world, join=False,
-                                     start_method="fork")
+                                     start_method=start_method)
         deadline = time.monotonic() + timeout_s
         try:
             while not context.join(timeout=1):

@@ -138,6 +138,9 @@ def local_attention(q: Tensor, k: Tensor, v: Tensor, blocks: SparseBlocks, shard
     held = shard.stop - shard.start
     if not 0 <= held <= capacity:
         fail("shard", f"stop - start = {held} must be within the {capacity} keys the local K/V holds")
+    if held == 0:  # nothing to launch over: the neutral partial
+        lse_dtype = torch.float32 if q.device.type == "cuda" else torch.float64
+        return torch.zeros_like(q), torch.full((batch, q.shape[2], q.shape[1]), float("-inf"), dtype=lse_dtype, device=q.device)
     if held < capacity:
         options["seqused_k"] = torch.full((batch,), held, dtype=torch.int32, device=q.device)
     seqlen_q = q.shape[1]
