@@ -5,8 +5,8 @@
 Decode B1 Sq1 H32/Hk8 d128 bf16, 1M keys cut evenly over the ranks (block-aligned), per-K/V-head
 lists of a given density (random blocks, ascending, the last block always listed). Per call,
 the slowest rank's time of: the sharded call (list split + local forward + all-gather + combine;
-merge="all_gather", and "owner"); its parts alone (local forward with the split; the
-all_gather_into_tensor of the partial); and, on rank 0, the unsharded call over all keys where
+merge="all_gather", and "owner"); its parts alone (the list split; the local forward with the
+split; the all_gather_into_tensor of the partial); and, on rank 0, the unsharded call over all keys where
 they fit. Each is timed eagerly and replayed from a CUDA graph (launch overhead removed); the
 communication share is the all-gather's time over the sharded call's. Run with one process it
 times the unsharded call only.
@@ -24,6 +24,7 @@ import torch.distributed as dist
 from flash_attn_sparse import SparseBlocks, flash_attn_with_sparse_block_table
 from flash_attn_sparse.distributed import KeyShard, head_dim_padded, local_attention, pack_partial, sharded_sparse_attention
 from flash_attn_sparse.metadata import cdiv
+from flash_attn_sparse.shard_lists import shard_blocks
 
 
 def lists(n_blocks: int, density: float, heads_k: int, device) -> SparseBlocks:
@@ -110,6 +111,7 @@ def main():
                 sharded = lambda: sharded_sparse_attention(q, k_local, v_local, blocks, shard, causal=True)
                 owner = lambda: sharded_sparse_attention(q, k_local, v_local, blocks, shard, causal=True, merge="owner")
                 local = lambda: local_attention(q, k_local, v_local, blocks, shard, causal=True)
+                split = lambda: shard_blocks(blocks, start, stop)
                 out, lse = local()
                 flat = pack_partial(out, lse, head_dim_padded(head_dim, q.device), varlen=False)
                 gathered = flat.new_empty(world * flat.numel())
@@ -118,6 +120,7 @@ def main():
                 if not graph:  # gather to one rank is timed eagerly only
                     row["owner_us_eager"] = slowest(time_us(owner, args.iters, graph))
                 row[f"local_forward_us_{mode}"] = slowest(time_us(local, args.iters, graph))
+                row[f"list_split_us_{mode}"] = slowest(time_us(split, args.iters, graph))
                 row[f"all_gather_us_{mode}"] = slowest(time_us(gather, args.iters, graph))
                 row[f"comm_share_{mode}"] = row[f"all_gather_us_{mode}"] / row[f"sharded_us_{mode}"]
                 row["partial_bytes_per_rank"] = flat.numel() * flat.element_size()

@@ -18,7 +18,7 @@ from typing import Tuple, Union
 import torch
 from torch import Tensor
 
-from .metadata import SparseBlocks, cdiv, fail
+from .metadata import SparseBlocks, cdiv, fail, int_range
 
 Bound = Union[int, Tensor]  # an int for every sequence, or an int tensor (batch,) per sequence
 
@@ -45,7 +45,7 @@ def _per_row(bound: Bound, shape_prefix: int) -> Bound:
 
 def _split_batched(cnt: Tensor, idx: Tensor, first: Bound, end: Bound) -> Tuple[Tensor, Tensor]:
     n = idx.shape[-1]
-    position = torch.arange(n, device=idx.device)
+    position = int_range(0, n, idx.device)  # a view of a cached ramp: no kernel
     ids = idx.long()
     lo, hi = _per_row(first, 3), _per_row(end, 3)
     kept = (position < cnt.unsqueeze(-1)) & (ids >= lo) & (ids < hi)
