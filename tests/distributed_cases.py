@@ -59,7 +59,7 @@ def build(case: Case, dtype=torch.float64, device="cpu"):
         q_block = case.q_block_size or cdiv(max(case.seqlens_q[b], 1), 128) * 128
         tiles = cdiv(case.seqlens_q[b], q_block) if case.varlen else cdiv(max(case.seqlens_q), q_block)
         allowed = list(range(n_blocks))
-        if case.empty_shard is not None:
+        if case.empty_shard is not None and case.empty_shard < case.world:
             lo, hi = case.boundaries[b][case.empty_shard], case.boundaries[b][case.empty_shard + 1]
             allowed = [g for g in allowed if not lo // case.block_size <= g < cdiv(hi, case.block_size)]
         full.append([]), mask.append([])

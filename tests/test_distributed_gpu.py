@@ -112,6 +112,35 @@ def test_shard_forward_captures_in_a_cuda_graph():
     assert torch.equal(out, want_out) and torch.equal(lse, want_lse)
 
 
+@pytest.fixture
+def one_rank_nccl_group():
+    """A default NCCL group of this process alone (the one-GPU machine): the collective path and
+    its capture, with the all-gather a copy."""
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1 or dist.is_initialized():
+        pytest.skip("a torchrun group of several ranks is running (the nccl tests cover it)")
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1,
+                            timeout=timedelta(seconds=60))
+    yield dist.group.WORLD
+    dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("merge", ["all_gather", "owner"])
+def test_one_rank_group_equals_unsharded(one_rank_nccl_group, merge):
+    case = dataclasses.replace(GPU_CASES[3], world=1, boundaries=[])
+    q, k, v, full, mask, blocks = gpu_inputs(case)
+    args, kwargs = shard_arguments(case, 0, q, k, v, blocks)
+    out, lse = sharded_sparse_attention(*args, group=one_rank_nccl_group, merge=merge, **kwargs)
+    assert_within_tolerance(case, out, lse, q, k, v, full, mask)
+
+
+def test_one_rank_group_captures_in_a_cuda_graph(one_rank_nccl_group):
+    _check_graph_replay(dataclasses.replace(GPU_CASES[0], world=1, boundaries=[]), 0, one_rank_nccl_group)
+
+
 def _nccl_world():
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if world < 2:
@@ -151,11 +180,16 @@ def test_nccl_equals_one_gpu(nccl_group, case, merge):
 
 def test_nccl_all_gather_captures_in_a_cuda_graph(nccl_group):
     world, rank = dist.get_world_size(), dist.get_rank()
-    case = dataclasses.replace(GPU_CASES[0], world=world)
+    _check_graph_replay(dataclasses.replace(GPU_CASES[0], world=world, boundaries=[]), rank, nccl_group)
+
+
+def _check_graph_replay(case, rank, group):
+    """The sharded call (split, forward, all-gather, combine) captured once and replayed over new
+    queries gives the eager answer."""
     q, k, v, _, _, blocks = gpu_inputs(case)
     args, kwargs = shard_arguments(case, rank, q, k, v, blocks)
     static_q = q.clone()
-    run = lambda: sharded_sparse_attention(static_q, *args[1:], group=nccl_group, **kwargs)
+    run = lambda: sharded_sparse_attention(static_q, *args[1:], group=group, **kwargs)
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
@@ -167,5 +201,5 @@ def test_nccl_all_gather_captures_in_a_cuda_graph(nccl_group):
     fresh = torch.randn(q.shape, generator=torch.Generator().manual_seed(5)).to(q)  # the same on every rank
     static_q.copy_(fresh)
     graph.replay()
-    want_out, want_lse = sharded_sparse_attention(fresh, *args[1:], group=nccl_group, **kwargs)
+    want_out, want_lse = sharded_sparse_attention(fresh, *args[1:], group=group, **kwargs)
     assert torch.equal(out, want_out) and torch.equal(lse, want_lse)
