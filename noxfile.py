@@ -26,7 +26,7 @@ def _forktools(session: nox.Session, command: str, *options: str) -> None:
 
 @nox.session
 def upstream(session: nox.Session) -> None:
-    """Fetch and verify the pinned upstream sdists ([--offline] [--tree NAME=PATH])."""
+    """Fetch and verify the pinned upstreams ([--offline] [--tree NAME=PATH] [--mirror DIR])."""
     _forktools(session, "upstream")
 
 
@@ -50,7 +50,7 @@ def check_patches(session: nox.Session) -> None:
 
 @nox.session
 def build(session: nox.Session) -> None:
-    """Build the patched wheel into dist/ and install it ([--profile dev|full] [--arch 90] [--jobs N] [--reuse])."""
+    """Build the patched wheels (flash_attn, flash_attn_3, flash_attn_4) into dist/ and install them ([--profile dev|full] [--arch 90] [--jobs N] [--reuse] [--no-fa3])."""
     _forktools(session, "build", "--install")
 
 
