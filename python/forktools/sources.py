@@ -136,7 +136,7 @@ def _download_wheel(pin: WheelPin, cache: Path) -> None:
         command = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
                    f"{pin.name}=={pin.version}", "-d", scratch]
         print("+", " ".join(command), flush=True)
-        if subprocess.run(command).returncode:
+        if subprocess.run(command, check=False).returncode:
             raise ToolError(f"{pin.name}: pip download failed")
         fetched = Path(scratch) / pin.wheel
         if not fetched.exists():
@@ -193,7 +193,7 @@ def compose_fa3(layout: Layout, sdist: Path, dest: Path) -> None:
         tar.extractall(dest, filter="data")
     with tarfile.open(sdist) as tar:
         for member in tar:
-            top, _, inner = member.name.partition("/")
+            _, _, inner = member.name.partition("/")
             if member.isfile() and (inner.startswith(SDIST_PARTS[0]) or inner == SDIST_PARTS[1]):
                 target = dest / inner
                 target.parent.mkdir(parents=True, exist_ok=True)
