@@ -5,7 +5,8 @@ pristine FA-3 tree.
 - `[[github]]` tables pin a tree of the repository at a release (repository, tag, commit, path,
   git tree id) as an archive made by `git archive --prefix=<path>/ <tag>:<path> | gzip -n -9`
   (deterministic) and its sha256. The archive is taken from a mirror folder (`upstream
-  --mirror DIR` or $FORKTOOLS_UPSTREAM_MIRROR; CI and the GPU machine use ../shared/upstream),
+  --mirror DIR`, else $FORKTOOLS_UPSTREAM_MIRROR, else ../shared/upstream beside the checkout
+  where it exists, as in CI; on the GPU machine the carried .cache/upstream already holds it),
   and its members must hash to the pinned git tree id.
 - `[[wheel]]` tables pin a wheel fetched with pip by name and hash (binary only).
 
@@ -91,12 +92,17 @@ def mirror_dir(mirror: Path | str | None) -> Path | None:
     return Path(mirror) if mirror else None
 
 
+def _beside_checkout(layout: Layout) -> Path | None:
+    shared = layout.root.parent / "shared" / "upstream"
+    return shared if shared.is_dir() else None
+
+
 def fetch(layout: Layout, offline: bool = False, mirror: Path | str | None = None) -> None:
     """Make every pinned GitHub tree and wheel available in the cache, verified."""
     from forktools.upstream import verify_sha256
 
     trees, wheels = load(layout.lock)
-    mirror = mirror_dir(mirror)
+    mirror = mirror_dir(mirror) or _beside_checkout(layout)
     layout.cache.mkdir(parents=True, exist_ok=True)
     for pin in trees:
         cached = layout.cache / pin.archive
