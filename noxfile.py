@@ -26,7 +26,7 @@ def _forktools(session: nox.Session, command: str, *options: str) -> None:
 
 @nox.session
 def upstream(session: nox.Session) -> None:
-    """Fetch and verify the pinned upstream sdists ([--offline] [--tree NAME=PATH])."""
+    """Fetch and verify the pinned upstreams ([--offline] [--tree NAME=PATH] [--mirror DIR])."""
     _forktools(session, "upstream")
 
 
@@ -50,7 +50,7 @@ def check_patches(session: nox.Session) -> None:
 
 @nox.session
 def build(session: nox.Session) -> None:
-    """Build and install the patched wheels (FLASH_ATTN_SPARSE_PROFILE=dev|full, _ARCH=80,90, _JOBS=N; or -- --reuse)."""
+    """Build and install the patched wheels flash_attn, flash_attn_3, flash_attn_4 (FLASH_ATTN_SPARSE_PROFILE=dev|full, _ARCH=80,90, _JOBS=N; or -- --reuse --no-fa3)."""
     _forktools(session, "build", "--install")
 
 

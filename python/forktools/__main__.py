@@ -16,7 +16,7 @@ REPO_ROOT = Path(__file__).resolve().parents[2]
 def _upstream(layout: Layout, args: argparse.Namespace) -> int:
     for name, tree in args.trees:
         upstream.record_tree(layout, name, tree)
-    upstream.fetch(layout, offline=args.offline)
+    upstream.fetch(layout, offline=args.offline, mirror=args.mirror)
     return 0
 
 
@@ -52,7 +52,7 @@ def _build(layout: Layout, args: argparse.Namespace) -> int:
         return 0
     archs = args.archs or [a for a in os.environ.get("FLASH_ATTN_SPARSE_ARCH", "").split(",") if a] or None
     build.build(layout, profile=args.profile, archs=archs, jobs=args.jobs, reuse=args.reuse,
-                mutations=args.mutations, install=args.install)
+                mutations=args.mutations, install=args.install, fa3=not args.no_fa3)
     return 0
 
 
@@ -88,6 +88,8 @@ def _parser() -> argparse.ArgumentParser:
     command.add_argument("--offline", action="store_true", help="never download; only verify the cache")
     command.add_argument("--tree", dest="trees", action="append", default=[], type=_name_and_path,
                          metavar="NAME=PATH", help="use this source tree of the pinned release instead")
+    command.add_argument("--mirror", type=Path, metavar="DIR",
+                         help="folder holding the pinned GitHub archives (default $FORKTOOLS_UPSTREAM_MIRROR)")
     command.set_defaults(run=_upstream)
 
     command = commands.add_parser("apply", help="build build/trees/<name> from the upstreams and patches/")
@@ -115,6 +117,7 @@ def _parser() -> argparse.ArgumentParser:
     command.add_argument("--mutation", dest="mutations", action="append", default=[], type=Path, metavar="PATCH",
                          help="apply a defect on top, to check that the tests catch it (tests/mutations/)")
     command.add_argument("--install", action="store_true", help="pip-install the wheel into this Python afterwards")
+    command.add_argument("--no-fa3", action="store_true", help="skip the FA-3 (flash_attn_3) wheel")
     command.add_argument("--fa4-only", action="store_true",
                          help="only the patched flash-attn-4 wheel (pure Python, seconds), e.g. beside a carried flash-attn one")
     command.set_defaults(run=_build)

@@ -5,7 +5,8 @@ overlay, as `apply --no-git` lays it) kept in build/wheel/flash-attn. Each build
 file by file, rewriting only files whose content changed, so ninja recompiles only what a change
 touched. The wheel's local version, `+sparse.<hash>.<profile>`, names the exact series, overlay,
 Python package, profile and archs it was built from. The flash-attn-4 wheel (pure Python, the
-`[hopper]` extra's package with the stage-4 patches) is written by forktools.wheel_fa4.
+`[hopper]` extra's package with the stage-4 patches) is written by forktools.wheel_fa4, and the
+FA-3 extension (upstream's `flash_attn_3` wheel) by forktools.build_fa3, in parallel with FA-2.
 
 Profiles:
 - dev: head dims 64 and 128, fp16 and bf16, forward only, no dropout/alibi/softcap/local/uneven
@@ -25,7 +26,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from forktools import ToolError, overlay, patchfile, series, wheel_fa4
+from forktools import ToolError, build_fa3, overlay, patchfile, series, wheel_fa4
 from forktools.layout import Layout
 
 UPSTREAM = "flash-attn"
@@ -44,7 +45,8 @@ NINJA_PROGRESS = re.compile(r"^\[(\d+)/(\d+)\]")
 
 
 def build(layout: Layout, profile: str = "dev", archs: list[str] | None = None,
-          jobs: int | None = None, reuse: bool = False, mutations: list[Path] = (), install: bool = False) -> Path:
+          jobs: int | None = None, reuse: bool = False, mutations: list[Path] = (), install: bool = False,
+          fa3: bool = True) -> Path:
     """Build the wheel into layout.root / "dist" and return its path.
 
     profile: "dev" or "full" (see the module docstring). archs: compute capabilities, e.g.
@@ -54,6 +56,7 @@ def build(layout: Layout, profile: str = "dev", archs: list[str] | None = None,
     mutations: diffs applied on top of the patched tree, to check that the tests catch the
     defect they plant (tests/mutations/); the version label ends in `.mutant`.
     install: pip-install the wheels (without dependencies) into the running Python afterwards.
+    fa3: also build the FA-3 wheel of the same profile (forktools.build_fa3), in a second thread.
     """
     if profile not in PROFILES:
         raise ToolError(f"unknown profile {profile!r}; choose one of {', '.join(PROFILES)}")
@@ -63,10 +66,12 @@ def build(layout: Layout, profile: str = "dev", archs: list[str] | None = None,
     fa4_wheel = wheel_fa4.build(layout)
     if install:
         install_wheel(fa4_wheel)
+    fa3_build = build_fa3.Background(layout, profile, jobs, reuse) if fa3 and not mutations else None
     if reuse:
         existing = sorted(dist.glob(f"flash_attn-*+{label}-*.whl"))
         if existing:
             print(f"build: reusing {existing[-1].relative_to(layout.root)}")
+            _finish_fa3(fa3_build, install)
             if install:
                 install_wheel(existing[-1])
             return existing[-1]
@@ -100,9 +105,17 @@ def build(layout: Layout, profile: str = "dev", archs: list[str] | None = None,
         raise ToolError(f"the build finished but no wheel with version label {label} is in {dist}")
     size_mb = wheels[-1].stat().st_size / 1e6
     print(f"build: {wheels[-1].relative_to(layout.root)} ({size_mb:.1f} MB) in {elapsed:.0f} s")
+    _finish_fa3(fa3_build, install)
     if install:
         install_wheel(wheels[-1])
     return wheels[-1]
+
+
+def _finish_fa3(fa3_build: build_fa3.Background | None, install: bool) -> None:
+    if fa3_build is not None:
+        wheel = fa3_build.result()
+        if install:
+            install_wheel(wheel)
 
 
 def install_wheel(wheel: Path) -> None:
@@ -112,12 +125,13 @@ def install_wheel(wheel: Path) -> None:
     print(f"build: installed {wheel.name} into {sys.prefix}")
 
 
-def source_hash(layout: Layout, profile: str, archs: list[str], mutations: list[Path] = ()) -> str:
-    """A short hash of everything the wheel is built from in this repo, and of how."""
+def source_hash(layout: Layout, profile: str, archs: list[str], mutations: list[Path] = (),
+                name: str = UPSTREAM) -> str:
+    """A short hash of everything upstream `name`'s wheel is built from in this repo, and of how."""
     digest = hashlib.sha256(f"{profile} {','.join(archs)}\n".encode())
-    inputs = [layout.lock, layout.series, *sorted((layout.patches / UPSTREAM).glob("*.patch"))]
+    inputs = [layout.lock, layout.series, *sorted((layout.patches / name).glob("*.patch"))]
     inputs += [Path(m).resolve() for m in mutations]
-    inputs += [path for _, path in sorted(overlay.sources(layout, UPSTREAM).items())]
+    inputs += [path for _, path in sorted(overlay.sources(layout, name).items())]
     for path in inputs:
         files = sorted(p for p in path.rglob("*") if p.is_file() and "__pycache__" not in p.parts) if path.is_dir() else [path]
         for file in files:
@@ -125,11 +139,11 @@ def source_hash(layout: Layout, profile: str, archs: list[str], mutations: list[
     return digest.hexdigest()[:10]
 
 
-def relay_tree(layout: Layout, stage: Path) -> None:
-    """Make `stage` hold exactly the patched tree, touching only files whose content changed."""
+def relay_tree(layout: Layout, stage: Path, name: str = UPSTREAM) -> None:
+    """Make `stage` hold exactly the patched tree of `name`, touching only files whose content changed."""
     with tempfile.TemporaryDirectory(prefix="forktools-build-") as scratch:
-        fresh = Path(scratch) / UPSTREAM
-        series.materialize(layout, UPSTREAM, fresh)
+        fresh = Path(scratch) / name
+        series.materialize(layout, name, fresh)
         wanted = sorted(p.relative_to(fresh).as_posix() for p in fresh.rglob("*") if p.is_file())
         stage.mkdir(parents=True, exist_ok=True)
         changed = 0
@@ -148,7 +162,7 @@ def relay_tree(layout: Layout, stage: Path) -> None:
     print(f"build: {stage} has the patched tree ({changed} of {len(wanted)} files rewritten)")
 
 
-def _run_with_progress(command: list[str], cwd: Path, env: dict, log_path: Path) -> int:
+def _run_with_progress(command: list[str], cwd: Path, env: dict, log_path: Path, prefix: str = "") -> int:
     """Run the build, logging everything and echoing ninja's [n/N] progress and errors."""
     with open(log_path, "w") as log, subprocess.Popen(command, cwd=cwd, env=env, stdout=subprocess.PIPE,
                                                       stderr=subprocess.STDOUT, text=True, bufsize=1) as process:
@@ -157,7 +171,7 @@ def _run_with_progress(command: list[str], cwd: Path, env: dict, log_path: Path)
             progress = NINJA_PROGRESS.match(line)
             if progress:
                 source = re.search(r"(\S+\.(?:cu|cpp))\b", line)
-                print(f"  [{progress[1]}/{progress[2]}] {Path(source[1]).name if source else ''}", flush=True)
+                print(f"  {prefix}[{progress[1]}/{progress[2]}] {Path(source[1]).name if source else ''}", flush=True)
             elif " error" in line or line.startswith("error") or "Error" in line:
-                print(f"  {line.rstrip()}", flush=True)
+                print(f"  {prefix}{line.rstrip()}", flush=True)
     return process.returncode

@@ -1,7 +1,8 @@
 """Pinned upstream releases: read the lock file, fetch and verify the sdists, record local source
 trees used instead of them, and unpack either into a working directory.
 
-Nothing is unpacked from an sdist whose sha256 differs from the pin.
+Nothing is unpacked from an sdist whose sha256 differs from the pin. A pin marked `composed`
+(flash-attn-3) has no sdist: forktools.sources fetches and composes its tree.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import tempfile
 import tomllib
 from pathlib import Path
 
-from forktools import ToolError, gittree
+from forktools import ToolError, gittree, sources
 from forktools.layout import Layout
 
 TREES_FILE = "trees.toml"
@@ -33,6 +34,7 @@ class Pin:
     sha256: str
     download_args: tuple[str, ...] = ()
     download_env: dict[str, str] = dataclasses.field(default_factory=dict)
+    composed: bool = False  # sdist/sha256 name the main archive of a tree forktools.sources composes
 
 
 def load_pins(lock: Path) -> list[Pin]:
@@ -43,7 +45,7 @@ def load_pins(lock: Path) -> list[Pin]:
         return [
             Pin(name=table["name"], version=table["version"], sdist=table["sdist"],
                 sha256=table["sha256"], download_args=tuple(table.get("download_args", ())),
-                download_env=dict(table.get("download_env", {})))
+                download_env=dict(table.get("download_env", {})), composed=table.get("composed", False))
             for table in tables
         ]
     except KeyError as missing:
@@ -68,13 +70,16 @@ def verify_sha256(path: Path, expected: str, label: str | None = None) -> None:
             "Refusing to use it; delete it and run `python -m forktools upstream` to fetch it again.")
 
 
-def fetch(layout: Layout, offline: bool = False) -> None:
+def fetch(layout: Layout, offline: bool = False, mirror: Path | str | None = None) -> None:
     """Make every pinned release available: verify cached sdists, download missing ones with pip
-    (unless offline), or check the local tree recorded for it."""
+    (unless offline), or check the local tree recorded for it; then the GitHub trees (from the
+    cache or the mirror folder) and wheels of forktools.sources."""
     layout.cache.mkdir(parents=True, exist_ok=True)
     trees = recorded_trees(layout)
     for pin in load_pins(layout.lock):
         cached = layout.cache / pin.sdist
+        if pin.composed:
+            continue  # its parts are fetched and verified below
         if pin.name in trees:
             check_tree_version(pin, trees[pin.name])
             print(f"{pin.name}: using the recorded tree {trees[pin.name]}")
@@ -89,6 +94,7 @@ def fetch(layout: Layout, offline: bool = False) -> None:
         else:
             _download(pin, layout.cache)
             print(f"{pin.name}: fetched and verified {cached}")
+    sources.fetch(layout, offline=offline, mirror=mirror)
 
 
 def _download(pin: Pin, cache: Path) -> None:
@@ -194,7 +200,12 @@ def unpack(layout: Layout, name: str, dest: Path) -> None:
         raise ToolError(f"{dest} already exists")
     dest.parent.mkdir(parents=True, exist_ok=True)
     tree = recorded_trees(layout).get(name)
-    if tree is None:
+    if pin.composed:
+        flash_attn = pin_named(load_pins(layout.lock), "flash-attn")
+        verify_sha256(layout.cache / pin.sdist, pin.sha256)
+        verify_sha256(layout.cache / flash_attn.sdist, flash_attn.sha256)
+        sources.compose_fa3(layout, layout.cache / flash_attn.sdist, dest)
+    elif tree is None:
         _extract_sdist(layout.cache / pin.sdist, pin.sha256, dest)
     else:
         check_tree_version(pin, tree)

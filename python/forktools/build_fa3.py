@@ -1,0 +1,109 @@
+"""Build the patched FA-3 extension (upstream's own `flash_attn_3` wheel) into dist/, beside the
+flash_attn one; `build.build` runs it in a second thread while FA-2 compiles.
+
+It is kept as upstream's package (`import flash_attn_3._C`, `flash_attn_interface`, torch ops
+`torch.ops.flash_attn_3.*`), not folded into the flash_attn wheel: upstream's tests and
+interface then run on it unchanged, and either wheel is rebuilt and carried on its own.
+
+The patched tree (series.materialize of upstream `flash-attn-3`: hopper/ beside csrc/cutlass) is
+re-laid into build/wheel/flash-attn-3 file by file, so ninja recompiles only what changed; the
+wheel's version label `+sparse.<hash>.<profile>` hashes the lock, the FA-3 patches and overlay,
+the profile and archs, so `--reuse` finds a carried wheel of the same source.
+
+Profiles (the FLASH_ATTENTION_DISABLE_* variables of hopper/setup.py, patch flash-attn-3/0001):
+- dev: sm90a, forward only, head dims 64 and 128 with dv == d, fp16 and bf16, split-KV, PackGQA
+  and varlen kept; no paged non-TMA K/V, softcap, local, append-KV, fp8, clusters, SM8x kernels.
+  That is DEV_KERNELS (12 units) + flash_api.cpp, flash_fwd_combine.cu, flash_prepare_scheduler.cu.
+- full: upstream's FA-3 matrix.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import threading
+import time
+from pathlib import Path
+
+from forktools import ToolError
+from forktools.layout import Layout
+
+UPSTREAM = "flash-attn-3"
+PACKAGE = "flash_attn_3"
+GIB_PER_JOB = 6  # one FA-3 unit peaks at ~5.3 GB
+GIB_FOR_FA2 = 32  # left to the FA-2 build running beside it
+DEV_OFF = ["BACKWARD", "PAGEDKV", "APPENDKV", "LOCAL", "SOFTCAP", "FP8", "CLUSTER", "SM80",
+           "HDIM96", "HDIM192", "HDIM256", "HDIMDIFF"]
+DEV_KERNELS = [f"flash_fwd_hdim{d}_{t}{kind}_sm90.cu"
+               for d in (64, 128) for t in ("bf16", "fp16") for kind in ("", "_split", "_packgqa")]
+PROFILES = {"dev": {f"FLASH_ATTENTION_DISABLE_{flag}": "TRUE" for flag in DEV_OFF}, "full": {}}
+
+
+def wheel_glob(label: str) -> str:
+    return f"{PACKAGE}-*+{label}-*.whl"
+
+
+def default_jobs(jobs: int | None) -> int:
+    """Parallel units: the CPUs, but no more than the memory left beside FA-2 allows at ~6 GB a
+    unit (15 on the 16-core, 128 GB H200 machine: one wave for the 15 dev units)."""
+    cpus = jobs or os.cpu_count() or 1
+    memory_gib = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
+    return max(1, min(cpus, int((memory_gib - GIB_FOR_FA2) // GIB_PER_JOB)))
+
+
+def build(layout: Layout, profile: str = "dev", jobs: int | None = None, reuse: bool = False) -> Path:
+    """Build (or, with reuse, find) the FA-3 wheel in dist/ and return it."""
+    from forktools import build as fa2_build
+
+    if profile not in PROFILES:
+        raise ToolError(f"unknown FA-3 profile {profile!r}; choose one of {', '.join(PROFILES)}")
+    label = f"sparse.{fa2_build.source_hash(layout, profile, ['90a'], name=UPSTREAM)}.{profile}"
+    dist = layout.root / "dist"
+    existing = sorted(dist.glob(wheel_glob(label)))
+    if reuse and existing:
+        print(f"build fa3: reusing {existing[-1].relative_to(layout.root)}")
+        return existing[-1]
+    stage = layout.root / "build" / "wheel" / UPSTREAM
+    fa2_build.relay_tree(layout, stage, name=UPSTREAM)
+    env = {**os.environ, **PROFILES[profile],
+           "FLASH_ATTENTION_FORCE_BUILD": "TRUE", "FLASH_ATTN_LOCAL_VERSION": label,
+           "MAX_JOBS": str(default_jobs(jobs)), "NVCC_THREADS": os.environ.get("NVCC_THREADS", "1")}
+    dist.mkdir(exist_ok=True)
+    log_path = layout.root / "build" / "logs" / f"build-fa3-{profile}.log"
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    command = [sys.executable, "-m", "pip", "wheel", "--no-build-isolation", "--no-deps", "--no-index", "-v",
+               "-w", str(dist), "."]
+    print(f"build fa3: {profile} profile, sm90a, {env['MAX_JOBS']} jobs, version label {label}", flush=True)
+    start = time.monotonic()
+    returncode = fa2_build._run_with_progress(command, stage / "hopper", env, log_path, prefix="fa3 ")
+    elapsed = time.monotonic() - start
+    if returncode:
+        raise ToolError(f"the FA-3 build failed after {elapsed:.0f} s (exit {returncode}); see {log_path}")
+    wheels = sorted(dist.glob(wheel_glob(label)))
+    if not wheels:
+        raise ToolError(f"the FA-3 build finished but no wheel with version label {label} is in {dist}")
+    print(f"build fa3: {wheels[-1].relative_to(layout.root)} ({wheels[-1].stat().st_size / 1e6:.1f} MB) "
+          f"in {elapsed:.0f} s", flush=True)
+    return wheels[-1]
+
+
+class Background:
+    """build() in a thread; result() waits and returns the wheel or raises its error."""
+
+    def __init__(self, layout: Layout, profile: str, jobs: int | None, reuse: bool):
+        self._wheel: Path | None = None
+        self._error: Exception | None = None
+        self._thread = threading.Thread(target=self._run, args=(layout, profile, jobs, reuse), daemon=True)
+        self._thread.start()
+
+    def _run(self, *args) -> None:
+        try:
+            self._wheel = build(*args)
+        except Exception as err:  # noqa: BLE001 -- handed to the caller in result()
+            self._error = err
+
+    def result(self) -> Path:
+        self._thread.join()
+        if self._error is not None:
+            raise self._error
+        return self._wheel

@@ -1,0 +1,83 @@
+"""forktools' FA-3 parts: the GitHub tree pins are checked by content (git tree id, sha256) and a
+mismatch is refused; the dev profile's kernel list is what the patched setup.py compiles."""
+
+import gzip
+import io
+import re
+import shutil
+import subprocess
+import tarfile
+from pathlib import Path
+
+import pytest
+from forktools import ToolError, build_fa3, sources
+from forktools.layout import Layout
+
+ROOT = Path(__file__).resolve().parents[1]
+MIRROR = sources.mirror_dir(None) or ROOT.parent / "shared" / "upstream"
+
+
+def _tar(members: dict[str, tuple[bytes, int]]) -> bytes:
+    buffer = io.BytesIO()
+    with tarfile.open(fileobj=buffer, mode="w") as tar:
+        for name, (data, mode) in members.items():
+            info = tarfile.TarInfo(name)
+            info.size, info.mode = len(data), mode
+            tar.addfile(info, io.BytesIO(data))
+    return gzip.compress(buffer.getvalue())
+
+
+@pytest.mark.skipif(shutil.which("git") is None, reason="git computes the reference tree id")
+def test_archive_tree_id_is_gits(tmp_path):
+    members = {"top/a.txt": (b"alpha\n", 0o644), "top/run.sh": (b"#!/bin/sh\n", 0o755),
+               "top/sub/b.txt": (b"beta\n", 0o644), "top/sub-x": (b"dash sorts before slash\n", 0o644)}
+    archive = tmp_path / "t.tar.gz"
+    archive.write_bytes(_tar(members))
+    unpacked = tmp_path / "u"
+    with tarfile.open(archive) as tar:
+        tar.extractall(unpacked, filter="data")
+    git = ["git", "-c", "user.name=t", "-c", "user.email=t@t", "-C", str(unpacked / "top")]
+    subprocess.run([*git, "init", "-q"], check=True)
+    subprocess.run([*git, "add", "-A"], check=True)
+    expected = subprocess.run([*git, "write-tree"], check=True, capture_output=True, text=True).stdout.strip()
+    assert sources.archive_tree_id(archive, "top") == expected
+
+
+def _layout_with_mirror_pin(tmp_path, archive: str, sha256: str, tree: str) -> Layout:
+    layout = Layout.at(tmp_path)
+    layout.lock.parent.mkdir(parents=True)
+    layout.lock.write_text(
+        f'[[github]]\nname = "t"\nrepository = "https://github.com/o/r"\ntag = "v1"\ncommit = "{"0" * 40}"\n'
+        f'path = "hopper"\ntree = "{tree}"\narchive = "{archive}"\nsha256 = "{sha256}"\n')
+    return layout
+
+
+@pytest.mark.skipif(not (MIRROR / "flash-attention-v2.8.3-hopper.tar.gz").exists(), reason="no upstream mirror")
+def test_mirror_archive_verified_and_mismatches_refused(tmp_path):
+    pins, _ = sources.load(ROOT / "upstream" / "lock.toml")
+    hopper = next(pin for pin in pins if pin.path == "hopper")
+    sources.fetch(_layout_with_mirror_pin(tmp_path / "ok", hopper.archive, hopper.sha256, hopper.tree), mirror=MIRROR)
+    with pytest.raises(ToolError, match="sha256 mismatch"):
+        sources.fetch(_layout_with_mirror_pin(tmp_path / "hash", hopper.archive, "0" * 64, hopper.tree), mirror=MIRROR)
+    with pytest.raises(ToolError, match="not the pinned"):
+        sources.fetch(_layout_with_mirror_pin(tmp_path / "tree", hopper.archive, hopper.sha256, "1" * 40), mirror=MIRROR)
+    with pytest.raises(ToolError, match="neither"):
+        sources.fetch(_layout_with_mirror_pin(tmp_path / "none", "absent.tar.gz", hopper.sha256, hopper.tree),
+                      mirror=tmp_path)
+
+
+@pytest.mark.skipif(not (ROOT / "build" / "trees" / "flash-attn-3").exists(), reason="run `nox -s apply` first")
+def test_dev_kernels_are_what_the_patched_setup_compiles():
+    """The source list of hopper/setup.py (patch flash-attn-3/0001) under the dev variables, by
+    running its list-building lines: 12 kernel units plus flash_api, combine and scheduler."""
+    text = (ROOT / "build" / "trees" / "flash-attn-3" / "hopper" / "setup.py").read_text()
+    flags = "".join(line + "\n" for line in text.splitlines() if re.match(r"(DISABLE_\w+|USE_SYSTEM_NVCC) = ", line))
+    body = text[text.index("    DTYPE_FWD_SM80"):text.index("    nvcc_flags = [")]
+    environ = {f"FLASH_ATTENTION_DISABLE_{flag}": "TRUE" for flag in build_fa3.DEV_OFF}
+    scope = {"os": type("os", (), {"getenv": staticmethod(lambda k, d=None: environ.get(k, d))})}
+    exec("import itertools\n" + flags, scope)  # noqa: S102 -- runs setup.py's own list-building lines
+    exec("import itertools\n" + "\n".join(line[4:] for line in body.splitlines()), scope)  # noqa: S102 -- runs setup.py's own list-building lines
+    kernels = sorted(Path(s).name for s in scope["sources"] if s.startswith("instantiations/"))
+    assert kernels == sorted(build_fa3.DEV_KERNELS)
+    assert set(scope["sources"]) - {f"instantiations/{k}" for k in kernels} == {
+        "flash_api.cpp", "flash_fwd_combine.cu", "flash_prepare_scheduler.cu"}
