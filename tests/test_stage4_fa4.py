@@ -28,7 +28,10 @@ pytestmark = pytest.mark.stage4
 def test_batched_lists_pass_as_views_with_a_broadcast_zero_mask_count(monkeypatch):
     """Batched tables reach flash-attn-4 as views (no copy, no launch: its patched SM90 kernel reads
     bad counts, out-of-range ids and a tail block anywhere itself, test_bad_lists_skip_like_fa2),
-    trimmed to the query tiles of the call; calls without mask lists share one zero count."""
+    trimmed to the query tiles of the call; calls without mask lists share one zero count, viewed
+    with the full lists' shape (issue 28 defect 1: a (1, 1, 1) count beside several query tiles
+    failed flash-attn-4's "must share the same m-block dimension"; defect 2: beside per-query-head
+    GQA lists it made flash-attn-4 pack the heads, "head dim must be 4 or 1")."""
     cnt = torch.randint(0, 9, (2, 3, 5), dtype=torch.int32)
     idx = torch.randint(-2, 12, (2, 3, 5, 9), dtype=torch.int32)
     seen = {}
@@ -38,7 +41,33 @@ def test_batched_lists_pass_as_views_with_a_broadcast_zero_mask_count(monkeypatc
                              max_seqlen_k=7 * 128 - 5)
     assert seen["full_block_cnt"].shape == (2, 3, 4) and seen["full_block_idx"].shape == (2, 3, 4, 7)
     assert seen["full_block_cnt"].data_ptr() == cnt.data_ptr() and seen["full_block_idx"].data_ptr() == idx.data_ptr()
-    assert seen["mask_block_cnt"] is fa4._zero_counts(torch.device("cpu")) and seen["mask_block_cnt"].tolist() == [[[0]]]
+    zero = fa4._zero_counts(torch.device("cpu"))
+    mask_cnt, mask_idx = seen["mask_block_cnt"], seen["mask_block_idx"]
+    assert mask_cnt.data_ptr() == zero.data_ptr() and mask_cnt.stride() == (0, 0, 0)  # a view, no allocation
+    assert mask_cnt.shape == seen["full_block_cnt"].shape and mask_cnt.shape[2] == mask_idx.shape[2]
+    assert (mask_cnt == 0).all()
+
+
+def _unpacked_gqa_lists():
+    """Per-query-head full lists (16 heads over 4 K/V heads), 3 query tiles, no mask lists."""
+    cnt = torch.randint(0, 4, (1, 16, 3), dtype=torch.int32)
+    return SparseBlocks(cnt, torch.randint(0, 4, (1, 16, 3, 4), dtype=torch.int32), block_size=128, q_block_size=128)
+
+
+def test_per_query_head_gqa_lists_reach_flash_attn_4_with_their_head_count(monkeypatch):
+    """flash-attn-4 packs GQA heads only when its mask counts have 1 or num_heads_k heads; per
+    query head lists must reach it with all 16 (it then runs them unpacked) and with matching
+    m-block dims, and FA-4's tile count assumes the same unpacked tiles."""
+    seen = {}
+    block_sparsity = type("block_sparsity", (), {"BlockSparseTensorsTorch": lambda **fields: seen.update(fields)})
+    monkeypatch.setattr(fa4, "import_cute", lambda module: block_sparsity)
+    blocks = _unpacked_gqa_lists()
+    fa4.block_sparse_tensors(blocks, batch=1, max_seqlen_q=300, max_seqlen_k=512)
+    assert seen["mask_block_cnt"].shape == seen["full_block_cnt"].shape == (1, 16, 3)
+    assert seen["mask_block_idx"].shape[:3] == (1, 16, 3)
+    q, k = torch.empty(1, 300, 16, 128), torch.empty(1, 512, 4, 128)
+    assert not fa4.packs_query_heads(q, k, blocks)
+    assert fa4.tiles(q, k, blocks, batch=1, max_seqlen_q=300) == 16 * 3
 
 
 @pytest.mark.parametrize("block_size", [64, 128])
@@ -144,6 +173,34 @@ def test_batched_matches_reference_and_fa2(dtype, head_dim, causal, table_heads,
     assert torch.isneginf(lse[0, :heads // n_table_heads, empty_rows]).all()
     assert max_err(lse, lse_fa2) <= 1e-3
     assert max_err(out, out_fa2) <= 2e-2
+
+
+@pytest.mark.gpu
+@pytest.mark.sm90
+@pytest.mark.parametrize("backend", ["auto", "fa4"])
+@pytest.mark.parametrize("seqlen_q,heads,heads_k,table_heads", [
+    (2048, 32, 32, 32),  # defect 1: per-query-tile full lists, no mask lists (DESIGN 7's prefill, scaled)
+    (1000, 16, 4, 16),   # defect 2: per-query-head lists with GQA at prefill
+    (16, 16, 4, 16),     # ... and at decode
+], ids=["prefill-per-tile", "gqa-per-query-head-prefill", "gqa-per-query-head-decode"])
+def test_full_lists_only_per_tile_and_per_query_head(backend, seqlen_q, heads, heads_k, table_heads):
+    """Issue 28 defects 1 and 2: lists per (batch, head, query tile) with no mask lists ran into
+    flash-attn-4's own ValueErrors (m-block dims; GQA head dim) on fa4 and auto."""
+    _needs_fa4()
+    g = torch.Generator(device="cuda").manual_seed(seqlen_q + heads)
+    rng = random.Random(seqlen_q + heads)
+    seqlen_k, block, q_block = 2000, 128, 128
+    n_blocks, m_blocks = -(-seqlen_k // block), -(-seqlen_q // q_block)
+    q, k, v = random_qkv(1, seqlen_q, seqlen_k, heads, heads_k, 128, torch.bfloat16, generator=g)
+    full = [[rng.sample(range(n_blocks), rng.randint(0, 6)) for _ in range(m_blocks)] for _ in range(table_heads)]
+    full[0][0] = []  # an empty tile: O = 0, LSE = -inf
+    blocks = SparseBlocks.from_lists([full], block_size=block, q_block_size=q_block, device="cuda")
+    poison_allocator(((1, seqlen_q, heads, 128), torch.bfloat16), ((1, heads, seqlen_q), torch.float32))
+    out, lse = fas.flash_attn_with_sparse_block_table(q, k, v, blocks, backend=backend, validate="full")
+    empty = [[[] for _ in per_h] for per_h in full]
+    visible = visibility_from_lists(full, empty, block, q_block, seqlen_q, seqlen_k, heads, causal=False, device="cuda")
+    assert_close_to_reference(out, lse, q, k, v, visible)
+    assert (out[0, :min(q_block, seqlen_q), 0] == 0).all() and torch.isneginf(lse[0, 0, :min(q_block, seqlen_q)]).all()
 
 
 @pytest.mark.gpu

@@ -10,7 +10,9 @@ names the tail block or such an id: 0007), so `block_sparse_tensors`
   with no launch before the kernel (decode calls are a few microseconds long);
 - keeps per-K/V-head lists as they are: flash-attn-4 (stage 4) then packs the query heads of a
   K/V head into one tile (PackGQA), so each listed block is read once per K/V head;
-- gives calls without mask lists one broadcast zero count (its kernels require mask lists);
+- gives calls without mask lists one zero count (its kernels require mask lists), viewed with the
+  full lists' shape: a (1, 1, 1) count beside full lists of several query tiles failed its
+  m-block check, and beside per-query-head GQA lists made it pack heads it cannot pack;
 - re-lays varlen rows at its stride, ceil(seqlen_k_b / block_size) entries per row (sorted and
   range-checked by torch ops on the way).
 Empty lists keep their meaning (O = 0, LSE = -inf) and LSE comes back in the FA-2 path's layout.
@@ -94,7 +96,7 @@ _ZERO_COUNTS = {}  # device -> the (1, 1, 1) zero count of _zero_counts
 
 
 def _zero_counts(device: torch.device) -> Tensor:
-    """A (1, 1, 1) zero that flash-attn-4 broadcasts to every tile: the counts of the empty mask
+    """A (1, 1, 1) zero, viewed with the full lists' shape for every tile: the counts of the empty mask
     lists its kernels require. Made once per device, outside any graph capture (a tensor made
     during one belongs to that graph's pool), so a decode call writes nothing before its kernel."""
     zero = _ZERO_COUNTS.get(device)
@@ -189,8 +191,8 @@ def block_sparse_tensors(blocks: SparseBlocks, *, batch: int, max_seqlen_q: int,
         mask_cnt, mask_idx = adapt(blocks.mask_cnt, blocks.mask_idx)
     elif blocks.is_varlen:  # empty mask lists, whose ids are never read
         mask_cnt, mask_idx = torch.zeros_like(full_cnt), full_idx
-    else:
-        mask_cnt, mask_idx = _zero_counts(full_cnt.device), full_idx
+    else:  # the counts' view must have the full lists' shape: flash-attn-4 matches their m-block and head dims
+        mask_cnt, mask_idx = _zero_counts(full_cnt.device).expand(full_cnt.shape), full_idx
     return to_cute_block_sparse_tensors(SparseBlocks(
         full_cnt, full_idx, mask_cnt, mask_idx, block_size=blocks.block_size, q_block_size=q_block,
         cu_total_m_blocks=blocks.cu_total_m_blocks,
