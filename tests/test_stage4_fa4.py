@@ -14,7 +14,8 @@ import pytest
 import torch
 
 import flash_attn_sparse as fas
-from flash_attn_sparse import SparseBlocks, SparseInputError, fa4
+from flash_attn_sparse import SparseBlocks, SparseInputError
+from flash_attn_sparse.backends import cute, fa4
 from flash_attn_sparse.metadata import pack_varlen_lists
 from flash_attn_sparse.reference import block_positions, visibility_from_lists
 from helpers import assert_close_to_reference, max_err, poison_allocator, random_qkv
@@ -36,12 +37,12 @@ def test_batched_lists_pass_as_views_with_a_broadcast_zero_mask_count(monkeypatc
     idx = torch.randint(-2, 12, (2, 3, 5, 9), dtype=torch.int32)
     seen = {}
     block_sparsity = type("block_sparsity", (), {"BlockSparseTensorsTorch": lambda **fields: seen.update(fields)})
-    monkeypatch.setattr(fa4, "import_cute", lambda module: block_sparsity)  # flash-attn-4 need not be installed
-    fa4.block_sparse_tensors(SparseBlocks(cnt, idx, block_size=128, q_block_size=128), batch=2, max_seqlen_q=400,
+    monkeypatch.setattr(cute, "import_cute", lambda module: block_sparsity)  # flash-attn-4 need not be installed
+    cute.block_sparse_tensors(SparseBlocks(cnt, idx, block_size=128, q_block_size=128), batch=2, max_seqlen_q=400,
                              max_seqlen_k=7 * 128 - 5)
     assert seen["full_block_cnt"].shape == (2, 3, 4) and seen["full_block_idx"].shape == (2, 3, 4, 7)
     assert seen["full_block_cnt"].data_ptr() == cnt.data_ptr() and seen["full_block_idx"].data_ptr() == idx.data_ptr()
-    zero = fa4._zero_counts(torch.device("cpu"))
+    zero = cute._zero_counts(torch.device("cpu"))
     mask_cnt, mask_idx = seen["mask_block_cnt"], seen["mask_block_idx"]
     assert mask_cnt.data_ptr() == zero.data_ptr() and mask_cnt.stride() == (0, 0, 0)  # a view, no allocation
     assert mask_cnt.shape == seen["full_block_cnt"].shape and mask_cnt.shape[2] == mask_idx.shape[2]
@@ -60,9 +61,9 @@ def test_per_query_head_gqa_lists_reach_flash_attn_4_with_their_head_count(monke
     m-block dims, and FA-4's tile count assumes the same unpacked tiles."""
     seen = {}
     block_sparsity = type("block_sparsity", (), {"BlockSparseTensorsTorch": lambda **fields: seen.update(fields)})
-    monkeypatch.setattr(fa4, "import_cute", lambda module: block_sparsity)
+    monkeypatch.setattr(cute, "import_cute", lambda module: block_sparsity)
     blocks = _unpacked_gqa_lists()
-    fa4.block_sparse_tensors(blocks, batch=1, max_seqlen_q=300, max_seqlen_k=512)
+    cute.block_sparse_tensors(blocks, batch=1, max_seqlen_q=300, max_seqlen_k=512)
     assert seen["mask_block_cnt"].shape == seen["full_block_cnt"].shape == (1, 16, 3)
     assert seen["mask_block_idx"].shape[:3] == (1, 16, 3)
     q, k = torch.empty(1, 300, 16, 128), torch.empty(1, 512, 4, 128)
@@ -86,8 +87,8 @@ def test_varlen_lists_relaid_at_flash_attn_4_stride(block_size):
     blocks = pack_varlen_lists(full, None, block_size, 128)
     cnt = blocks.full_cnt.clone()
     cnt[0, 0] += 3  # a count past its row
-    rows = fa4._VarlenRows.of(blocks, torch.tensor(seqlens_k), max(seqlens_k))
-    new_cnt, new_idx = fa4._varlen_lists(cnt, blocks.full_idx, rows)
+    rows = cute._VarlenRows.of(blocks, torch.tensor(seqlens_k), max(seqlens_k))
+    new_cnt, new_idx = cute._varlen_lists(cnt, blocks.full_idx, rows)
     offsets = rows.new_offsets
     stride = [-(-sk // block_size) for sk in seqlens_k]
     expected_offsets = [0]
@@ -119,7 +120,7 @@ def test_bad_backend_name_is_refused():
 def test_missing_runtime_is_named():
     """Without flash-attn-4's runtime, backend="fa4" says so (and auto takes FA-2: every GPU run
     without the runtime in tests/RESULTS.md went through auto)."""
-    reason = fa4.missing_runtime()
+    reason = cute.missing_runtime()
     if reason is None:
         pytest.skip("flash-attn-4 and its runtime import here")
     assert "[hopper]" in reason
@@ -134,7 +135,7 @@ def _needs_fa4():
         pytest.skip("no CUDA GPU on this machine")
     if importlib.util.find_spec("cutlass") is None:
         pytest.skip("the CuTe-DSL runtime (nvidia-cutlass-dsl, extra [hopper]) is not installed")
-    assert fa4.missing_runtime() is None, fa4.missing_runtime()
+    assert cute.missing_runtime() is None, cute.missing_runtime()
 
 
 @pytest.mark.gpu
@@ -278,14 +279,16 @@ def test_varlen_ragged_batch(dtype, block_size, causal, num_splits):
     q = torch.cat([x[0][0] for x in per_seq])
     k = torch.cat([x[1][0] for x in per_seq])
     v = torch.cat([x[2][0] for x in per_seq])
-    args = (q, k, v, cu_q, cu_k, max(s[0] for s in seqlens), max(s[1] for s in seqlens), blocks)
+    args = (q, k, v, blocks)
+    sizes = dict(cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=max(s[0] for s in seqlens),
+                 max_seqlen_k=max(s[1] for s in seqlens))
     if num_splits > 1:
         with pytest.raises(SparseInputError, match="^num_splits.*fixed-length"):
-            fas.flash_attn_varlen_with_sparse_blocks(*args, causal=causal, backend="fa4", num_splits=num_splits)
+            fas.flash_attn_varlen_with_sparse_blocks(*args, **sizes, causal=causal, backend="fa4", num_splits=num_splits)
         return
     poison_allocator((tuple(q.shape), q.dtype), ((heads, q.shape[0]), torch.float32))
-    out, lse = fas.flash_attn_varlen_with_sparse_blocks(*args, causal=causal, backend="fa4", validate="full")
-    out_fa2, lse_fa2 = fas.flash_attn_varlen_with_sparse_blocks(*args, causal=causal, backend="fa2")
+    out, lse = fas.flash_attn_varlen_with_sparse_blocks(*args, **sizes, causal=causal, backend="fa4", validate="full")
+    out_fa2, lse_fa2 = fas.flash_attn_varlen_with_sparse_blocks(*args, **sizes, causal=causal, backend="fa2")
     for i, (sq, sk) in enumerate(seqlens):
         if sq == 0:
             continue
@@ -386,8 +389,8 @@ def test_speculative_forms_run_on_fa4_at_prefill(causal_spec, monkeypatch):
     missed_ids = random.Random(5).sample(range((seqlen_k - seqlen_q) // block), 12)  # gapped, historical for every row
     spec, missed, visible = _speculative_sets(spec_ids, missed_ids, seqlen_q, seqlen_k, block, causal_spec)
     fa4_lists = []
-    run_fa4 = fa4.run
-    monkeypatch.setattr(fa4, "run", lambda q, k, v, blocks, **kw: fa4_lists.append(blocks) or run_fa4(q, k, v, blocks, **kw))
+    run_fa4 = fa4.launch
+    monkeypatch.setattr(fa4, "launch", lambda q, k, v, blocks, **kw: fa4_lists.append(blocks) or run_fa4(q, k, v, blocks, **kw))
 
     poison_allocator(((1, seqlen_q, heads, 128), torch.bfloat16), ((1, heads, seqlen_q), torch.float32))
     out, lse = fas.flash_attn_speculative_sparse_zero_copy(q, k, v, spec, missed, causal_spec=causal_spec, validate="full")
@@ -427,8 +430,8 @@ def test_speculative_forms_at_decode_with_fa4_present(causal_spec, monkeypatch):
     missed_ids = random.Random(3).sample(range(spec_start), 9)
     spec, missed, visible = _speculative_sets(spec_ids, missed_ids, seqlen_q, seqlen_k, block, causal_spec)
     fa4_calls = []
-    run_fa4 = fa4.run
-    monkeypatch.setattr(fa4, "run", lambda *a, **kw: fa4_calls.append((kw["num_splits"], kw.get("mask_source") is not None))
+    run_fa4 = fa4.launch
+    monkeypatch.setattr(fa4, "launch", lambda *a, **kw: fa4_calls.append((kw["num_splits"], kw.get("mask_source") is not None))
                         or run_fa4(*a, **kw))
 
     poison_allocator(((batch, seqlen_q, heads, 128), torch.bfloat16), ((batch, heads, seqlen_q), torch.float32))
