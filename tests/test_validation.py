@@ -274,3 +274,22 @@ def test_speculative_one_launch_conditions(change, refused):
         k_spec = k_spec.half()
     reason = _one_launch_refusal(q, k_spec, v_spec, k, v, missed)
     assert (reason is not None) == refused, reason
+
+
+@pytest.mark.parametrize("entry, positional", [
+    ("flash_attn_with_sparse_block_table", ["q", "k", "v", "sparse_block_table"]),
+    ("flash_attn_varlen_with_sparse_blocks", ["q", "k", "v", "blocks"]),
+    ("flash_attn_speculative_sparse", ["q", "k_spec", "v_spec", "k", "v", "sparse_block_table"]),
+    ("flash_attn_speculative_sparse_zero_copy", ["q", "k", "v", "spec_block_table", "missed_block_table"]),
+    ("flash_attn_sparse_partials", ["q", "k", "v", "block_groups"]),
+    ("choose_backend", ["q", "k", "v", "blocks"]),
+    ("choose_num_splits_for", ["q", "k", "v", "blocks"]),
+])
+def test_entry_points_take_options_by_keyword_only(entry, positional):
+    """The tensors and the lists by position, every option by keyword (issue 25)."""
+    import inspect
+    parameters = inspect.signature(getattr(fas, entry)).parameters.values()
+    assert [p.name for p in parameters if p.kind == p.POSITIONAL_OR_KEYWORD] == positional
+    assert all(p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY, p.VAR_KEYWORD) for p in parameters)
+    with pytest.raises(TypeError, match="positional"):
+        getattr(fas, entry)(*[None] * (len(positional) + 1))  # one more, e.g. a block_size by position
