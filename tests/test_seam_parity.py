@@ -73,3 +73,29 @@ def test_extension_accepts_keywords_only_and_reports_head_dims():
         extension.combine(None, None, None, None, None)
     head_dims, _ = ops.compiled_head_dims()
     assert head_dims and set(head_dims) <= set(ops.HEAD_DIM_KERNELS)
+
+
+def test_decode_tile_rule_matches_sparse_decode_tile():
+    """fa2.decode_tile is flash_sparse.h's sparse_decode_tile over (packed rows, list keys, CTAs):
+    the same comparisons of the same quantities (the constants: test_split_heuristics.py)."""
+    from flash_attn_sparse.backends import fa2
+    header = (OVERLAY / "src/flash_sparse.h").read_text()
+    body = re.search(r"inline bool sparse_decode_tile\(const Flash_fwd_params &params\) \{(.*?)\n\}", header, re.S).group(1)
+    assert "if (params.seqlen_q * params.sparse_pack_gqa > kSparseDecodeBlockM) { return false; }" in body
+    assert "const long ctas = long(params.b) * (params.h / params.sparse_pack_gqa);" in body
+    assert "return list_keys >= kSparseDecodeMinListKeys && ctas * list_keys >= kSparseDecodeMinTotalKeys;" in body
+    for rows, keys, ctas in [(16, 16384, 64), (17, 16384, 64), (16, 16383, 64), (16, 16384, 63), (1, 1 << 20, 1)]:
+        expected = rows <= fa2.DECODE_KERNEL_ROWS and keys >= fa2.DECODE_MIN_LIST_KEYS and ctas * keys >= fa2.DECODE_MIN_TOTAL_KEYS
+        assert fa2.decode_tile(rows, keys, ctas) == expected
+
+
+def test_tile_keys_match_sparse_max_tile_keys():
+    """fa2.tile_n of the 64-row kernel is flash_sparse.h's sparse_max_tile_keys."""
+    from flash_attn_sparse.backends import fa2
+    header = (OVERLAY / "src/flash_sparse.h").read_text()
+    rule = re.search(r"sparse_max_tile_keys\(const int head_size\) \{ return head_size <= (\d+) \? (\d+) : "
+                     r"\(head_size <= (\d+) \? (\d+) : (\d+)\); \}", header)
+    first, small, second, middle, large = map(int, rule.groups())
+    for head_dim in range(8, 257, 8):
+        expected = small if head_dim <= first else (middle if head_dim <= second else large)
+        assert fa2.tile_n(head_dim, decode=False) == expected
