@@ -33,6 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "python"))
 
 import flash_attn_sparse as fas  # noqa: E402
 from flash_attn_sparse import SparseBlocks  # noqa: E402
+from flash_attn_sparse.backends import cute, fa4  # noqa: E402
 
 BLOCK = 128
 ROTATIONS = 4
@@ -231,7 +232,7 @@ def speculative_calls(shape, q, k, v, list_sets, backend="auto"):
         "speculative_zero_copy": rotating([lambda s=s: fas.flash_attn_speculative_sparse_zero_copy(q, k, v, s.spec_table,
                                                                                                      s.missed) for s in spec]),
     }
-    if backend != "fa2" and not fas.fa4.missing_runtime():
+    if backend != "fa2" and not cute.missing_runtime():
         # The gathered form on FA-4 whatever auto would choose: one launch whose mask lists read
         # k_spec / v_spec (patch flash-attn-4/0006); at prefill the two-pass FA-4 form.
         calls["speculative_two_pass fa4"] = gathered(backend="fa4")
@@ -293,7 +294,7 @@ def bench_shape(shape, roofline, rows, methods):
     if "split_sweep" in methods and shape.seqlen_q <= 16:
         for splits in (2, 4, 8, 16, 32):  # what the split heuristic leaves on the table
             add(f"fa2_sparse splits={splits}", ours("fa2", splits))
-    fa4_missing = fas.fa4.missing_runtime()
+    fa4_missing = cute.missing_runtime()
     if "fa4_sparse" in methods and not fa4_missing:
         add("fa4_sparse", ours("fa4"), "API, backend=fa4")
     if "split_sweep" in methods and shape.seqlen_q <= 16 and not fa4_missing:
@@ -306,14 +307,14 @@ def bench_shape(shape, roofline, rows, methods):
         # count: the floor of the fa4 backend, whose API call adds its Python (the batched lists
         # pass as views since patch flash-attn-4/0004; varlen ones are re-laid). Where the API
         # takes the 64-row tile (fa4.small_tile), the 128-row tile runs too, for the same-run ratio.
-        cute = fas.fa4.import_cute("interface")
+        fa4_interface = cute.import_cute("interface")
         splits = fas.choose_num_splits_for(q, k, v, blocks[0], backend="fa4")
-        small = fas.fa4.small_tile(q, k, blocks[0], max_seqlen_q=shape.seqlen_q)
-        for name, tile in (("fa4_direct", fas.fa4.SMALL_TILE_ROWS if small else None),) + \
+        small = fa4.small_tile(q, k, blocks[0], max_seqlen_q=shape.seqlen_q)
+        for name, tile in (("fa4_direct", fa4.SMALL_TILE_ROWS if small else None),) + \
                 ((("fa4_direct tile128", None),) if small else ()):
-            tensors = [fas.fa4.block_sparse_tensors(b, batch=shape.batch, max_seqlen_q=shape.seqlen_q,
+            tensors = [cute.block_sparse_tensors(b, batch=shape.batch, max_seqlen_q=shape.seqlen_q,
                                                     max_seqlen_k=shape.seqlen_k, q_block_size=tile) for b in blocks]
-            add(name, rotating([lambda t=t: cute.flash_attn_func(q, k, v, causal=shape.causal, block_sparse_tensors=t,
+            add(name, rotating([lambda t=t: fa4_interface.flash_attn_func(q, k, v, causal=shape.causal, block_sparse_tensors=t,
                                                                  return_lse=True, num_splits=splits) for t in tensors]),
                 f"CuTe-DSL kernel, lists in its form, {tile or '128'}-row tiles, {splits} splits")
     if "speculative" in methods and shape.density < 1 and not shape.causal:
@@ -368,7 +369,7 @@ def main():
     if args.shapes:
         shapes = [s for s in shapes if any(part.strip() in s.name for part in args.shapes.split(","))]
     print(f"GPU: {torch.cuda.get_device_name()}  torch {torch.__version__}", flush=True)
-    print(f"FA-4 backend: {fas.fa4.missing_runtime() or 'available'}", flush=True)
+    print(f"FA-4 backend: {cute.missing_runtime() or 'available'}", flush=True)
     roofline = measure_roofline()
     print(f"roofline: copy {roofline[0]:.2f} TB/s, bf16 matmul {roofline[1]:.0f} TFLOP/s", flush=True)
     rows = []

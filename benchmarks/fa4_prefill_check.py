@@ -19,7 +19,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_sparse import Shape, random_inputs, timed  # noqa: E402
-from flash_attn_sparse.fa4 import import_cute  # noqa: E402  (flash-attn-4 beside the FA-2 wheel)
+from flash_attn_sparse.backends.cute import import_cute  # noqa: E402  (flash-attn-4 beside the FA-2 wheel)
 
 BLOCK = 128
 

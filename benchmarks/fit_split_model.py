@@ -3,7 +3,7 @@
 Reads the "graph us per call vs blocks per (batch, KV head) list" tables that
 `profile_decode.py --backend fa4` prints (the GPU runner's profile-fa4 step), one row per forced split count,
 and for every (shape, list length) asks which of the measured split counts the model
-(`flash_attn_sparse.fa4.split_time_us`) picks and how much slower that is than the measured best.
+(`flash_attn_sparse.backends.fa4.split_time_us`) picks and how much slower that is than the measured best.
 With --fit it searches the model's four constants for the least total of that regret.
 
     python benchmarks/fit_split_model.py benchmarks/results/2026-11-30-h200-98f11cb-profile-fa4.txt [--fit]
@@ -16,7 +16,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "python"))
-from flash_attn_sparse import fa4  # noqa: E402
+from flash_attn_sparse.backends import fa4  # noqa: E402
 
 # The decode shapes of profile_decode.py: (batch, query rows, heads, K/V heads); d128, 128-key blocks.
 SHAPES = {"B8 Sq16": (8, 16, 32, 8), "B8 Sq1": (8, 1, 32, 8), "B1 Sq1": (1, 1, 32, 8)}
@@ -43,7 +43,7 @@ def read_tables(path: Path) -> dict:
 
 
 def work(shape: str, blocks: int) -> dict:
-    """The model's arguments for a decode shape, as interface._Call.fa4_num_splits builds them."""
+    """The model's arguments for a decode shape, as backends.fa4.num_splits builds them."""
     batch, rows, heads, heads_k = SHAPES[shape]
     return fa4.split_work(tiles=batch * heads_k, list_blocks=blocks, batch=batch, seqlen_q=rows, heads=heads,
                           head_dim=HEAD_DIM, block_size=BLOCK, element_size=2, small_tile=True, num_sms=NUM_SMS)

@@ -46,5 +46,5 @@ def auto_stays_on_fa2(request, monkeypatch):
     test them on a machine with the FA-4 runtime too: there auto sends most fixed-length calls
     to FA-4 (test_stage4_fa4.py tests that routing and FA-4's results)."""
     if request.module.__name__ != "test_stage4_fa4":
-        from flash_attn_sparse import fa4
-        monkeypatch.setattr(fa4, "unsupported_reason", lambda *args, **kwargs: "FA-2 kept by tests/conftest.py")
+        from flash_attn_sparse.backends import fa4
+        monkeypatch.setattr(fa4, "refusal", lambda *args, **kwargs: "FA-2 kept by tests/conftest.py")

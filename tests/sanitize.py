@@ -51,7 +51,8 @@ def cases():
     vblocks = pack_varlen_lists(lists, None, block, 128, device="cuda")
     qv, kv, vv = randn(135, heads, dim), randn(1100, heads_k, dim), randn(1100, heads_k, dim)
     for num_splits in (1, 2):
-        fas.flash_attn_varlen_with_sparse_blocks(qv, kv, vv, cu_q, cu_k, 130, 700, vblocks, num_splits=num_splits)
+        fas.flash_attn_varlen_with_sparse_blocks(qv, kv, vv, vblocks, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=130,
+                                                 max_seqlen_k=700, num_splits=num_splits)
     print("varlen: ok", flush=True)
     # Paged K/V: permuted pages smaller and larger than the block, seqused_k short of the table
     # (the unused entries name no page), causal mask blocks, split and not.

@@ -8,8 +8,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from flash_attn_sparse import interface
-from flash_attn_sparse.interface import _decode_tile, choose_num_splits
+from flash_attn_sparse.backends import fa2, fa4
+from flash_attn_sparse.backends.fa2 import choose_num_splits, decode_tile
 
 pytestmark = pytest.mark.stage5
 
@@ -36,22 +36,23 @@ def test_split_work_counts_three_ctas_per_sm_only_for_the_decode_tile(monkeypatc
     """The key-split tile fits three CTAs per SM, but the heuristic counts two for it (run 41:
     fewer, longer splits measured faster, 4 instead of 6 at B8 Sq1 1/16); the one-warp decode
     tile counts three (run 21)."""
-    monkeypatch.setattr(interface, "_num_sms", lambda index: 132)
-    call = SimpleNamespace(q=torch.empty(batch, 1, 32, 128), k=torch.empty(batch, 0, 8, 128), pack_gqa=True, batch=batch,
+    monkeypatch.setattr(fa2, "num_sms", lambda index: 132)
+    call = SimpleNamespace(q=torch.empty(batch, 1, 32, 128), k=torch.empty(batch, 0, 8, 128), batch=batch,
                            max_seqlen_q=1, blocks=SimpleNamespace(block_size=128), max_list_length=lambda: list_blocks)
-    assert interface._Call.split_work(call) == expected
+    monkeypatch.setattr(fa2, "pack_gqa", lambda call: True)
+    assert fa2.split_work(call) == expected
 
 
-@pytest.mark.parametrize("packed_rows,list_keys,ctas,decode_tile", [
+@pytest.mark.parametrize("packed_rows,list_keys,ctas,expected_tile", [
     (4, 32768, 64, True),     # B8 Hk8 Sq1 x 4 heads, every block of 32k keys listed: 2M keys
     (4, 131072, 8, True),     # B1 Hk8, every block of 128k keys listed: 1M keys
     (4, 32768, 8, False),     # B1 Hk8 with 256-block lists: 0.26M keys, the 64-row tile measured faster
     (4, 2048, 64, False),     # B8 Hk8 at 1/16 of 32k keys: short lists
     (64, 32768, 64, False),   # Sq16 x 4 heads: 64 packed rows
 ])
-def test_decode_tile_only_for_long_lists_and_much_work(packed_rows, list_keys, ctas, decode_tile):
+def test_decode_tile_only_for_long_lists_and_much_work(packed_rows, list_keys, ctas, expected_tile):
     """The rule flash_sparse.h's sparse_decode_tile applies, on the shapes run 21 measured."""
-    assert _decode_tile(packed_rows, list_keys, ctas) == decode_tile
+    assert decode_tile(packed_rows, list_keys, ctas) == expected_tile
 
 
 def c_int(text):
@@ -64,14 +65,13 @@ def test_decode_tile_constants_match_the_kernel_rule():
     """The split heuristic assumes the tile flash_sparse.h's sparse_decode_tile picks: same limits."""
     header = (Path(__file__).parents[1] / "patches/overlay/flash-attn/csrc/flash_attn/src/flash_sparse.h").read_text()
     constants = {name: c_int(value) for name, value in re.findall(r"constexpr (?:int|long) (kSparseDecode\w+) = ([^;]+);", header)}
-    assert constants == {"kSparseDecodeBlockM": interface.DECODE_KERNEL_ROWS,
-                         "kSparseDecodeMinListKeys": interface.DECODE_MIN_LIST_KEYS,
-                         "kSparseDecodeMinTotalKeys": interface.DECODE_MIN_TOTAL_KEYS}
+    assert constants == {"kSparseDecodeBlockM": fa2.DECODE_KERNEL_ROWS,
+                         "kSparseDecodeMinListKeys": fa2.DECODE_MIN_LIST_KEYS,
+                         "kSparseDecodeMinTotalKeys": fa2.DECODE_MIN_TOTAL_KEYS}
 
 
 def _fa4_work(tiles, list_blocks, batch, seqlen_q, tile_rows):
     """FA-4's split inputs for H32 d128 bf16 with 128-key blocks on 132 SMs (fa4_num_splits)."""
-    from flash_attn_sparse import fa4
     return fa4.split_work(tiles=tiles, list_blocks=list_blocks, batch=batch, seqlen_q=seqlen_q, heads=32, head_dim=128,
                           block_size=128, element_size=2, small_tile=tile_rows == fa4.SMALL_TILE_ROWS, num_sms=132)
 
@@ -86,7 +86,6 @@ def _fa4_work(tiles, list_blocks, batch, seqlen_q, tile_rows):
     (64, 256, 1, 1024, 128, 2),  # half the SMs busy with compute-bound 128-row tiles: split
 ])
 def test_fa4_split_model_picks_what_run_60_measured_fastest(tiles, list_blocks, batch, seqlen_q, tile_rows, expected):
-    from flash_attn_sparse import fa4
     assert fa4.choose_num_splits(max_splits=128, **_fa4_work(tiles, list_blocks, batch, seqlen_q, tile_rows)) == expected
 
 
@@ -94,7 +93,6 @@ def test_fa4_split_model_splits_few_tiles_until_the_chain_stops_paying():
     """B1 decode (8 tiles): one split walks the whole list at one CTA's rate (64.8 us for 64
     blocks in run 55, 10.5-17.6 with 8-16 splits); splits stop where the merge costs more than
     the shorter chain, and never exceed the blocks listed."""
-    from flash_attn_sparse import fa4
     picks = {blocks: fa4.choose_num_splits(max_splits=128, **_fa4_work(8, blocks, 1, 1, 64)) for blocks in (1, 4, 16, 64, 256)}
     assert picks[1] == 1 and all(picks[b] <= b for b in picks)
     assert all(8 <= picks[b] <= 16 for b in (16, 64, 256)), picks

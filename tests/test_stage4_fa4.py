@@ -14,7 +14,8 @@ import pytest
 import torch
 
 import flash_attn_sparse as fas
-from flash_attn_sparse import SparseBlocks, SparseInputError, fa4
+from flash_attn_sparse import SparseBlocks, SparseInputError
+from flash_attn_sparse.backends import cute, fa4
 from flash_attn_sparse.metadata import pack_varlen_lists
 from flash_attn_sparse.reference import block_positions, visibility_from_lists
 from helpers import assert_close_to_reference, max_err, poison_allocator, random_qkv
@@ -28,17 +29,46 @@ pytestmark = pytest.mark.stage4
 def test_batched_lists_pass_as_views_with_a_broadcast_zero_mask_count(monkeypatch):
     """Batched tables reach flash-attn-4 as views (no copy, no launch: its patched SM90 kernel reads
     bad counts, out-of-range ids and a tail block anywhere itself, test_bad_lists_skip_like_fa2),
-    trimmed to the query tiles of the call; calls without mask lists share one zero count."""
+    trimmed to the query tiles of the call; calls without mask lists share one zero count, viewed
+    with the full lists' shape (issue 28 defect 1: a (1, 1, 1) count beside several query tiles
+    failed flash-attn-4's "must share the same m-block dimension"; defect 2: beside per-query-head
+    GQA lists it made flash-attn-4 pack the heads, "head dim must be 4 or 1")."""
     cnt = torch.randint(0, 9, (2, 3, 5), dtype=torch.int32)
     idx = torch.randint(-2, 12, (2, 3, 5, 9), dtype=torch.int32)
     seen = {}
     block_sparsity = type("block_sparsity", (), {"BlockSparseTensorsTorch": lambda **fields: seen.update(fields)})
-    monkeypatch.setattr(fa4, "import_cute", lambda module: block_sparsity)  # flash-attn-4 need not be installed
-    fa4.block_sparse_tensors(SparseBlocks(cnt, idx, block_size=128, q_block_size=128), batch=2, max_seqlen_q=400,
+    monkeypatch.setattr(cute, "import_cute", lambda module: block_sparsity)  # flash-attn-4 need not be installed
+    cute.block_sparse_tensors(SparseBlocks(cnt, idx, block_size=128, q_block_size=128), batch=2, max_seqlen_q=400,
                              max_seqlen_k=7 * 128 - 5)
     assert seen["full_block_cnt"].shape == (2, 3, 4) and seen["full_block_idx"].shape == (2, 3, 4, 7)
     assert seen["full_block_cnt"].data_ptr() == cnt.data_ptr() and seen["full_block_idx"].data_ptr() == idx.data_ptr()
-    assert seen["mask_block_cnt"] is fa4._zero_counts(torch.device("cpu")) and seen["mask_block_cnt"].tolist() == [[[0]]]
+    zero = cute._zero_counts(torch.device("cpu"))
+    mask_cnt, mask_idx = seen["mask_block_cnt"], seen["mask_block_idx"]
+    assert mask_cnt.data_ptr() == zero.data_ptr() and mask_cnt.stride() == (0, 0, 0)  # a view, no allocation
+    assert mask_cnt.shape == seen["full_block_cnt"].shape and mask_cnt.shape[2] == mask_idx.shape[2]
+    assert (mask_cnt == 0).all()
+
+
+def _unpacked_gqa_lists():
+    """Per-query-head full lists (16 heads over 4 K/V heads), 3 query tiles, no mask lists."""
+    cnt = torch.randint(0, 4, (1, 16, 3), dtype=torch.int32)
+    return SparseBlocks(cnt, torch.randint(0, 4, (1, 16, 3, 4), dtype=torch.int32), block_size=128, q_block_size=128)
+
+
+def test_per_query_head_gqa_lists_reach_flash_attn_4_with_their_head_count(monkeypatch):
+    """flash-attn-4 packs GQA heads only when its mask counts have 1 or num_heads_k heads; per
+    query head lists must reach it with all 16 (it then runs them unpacked) and with matching
+    m-block dims, and FA-4's tile count assumes the same unpacked tiles."""
+    seen = {}
+    block_sparsity = type("block_sparsity", (), {"BlockSparseTensorsTorch": lambda **fields: seen.update(fields)})
+    monkeypatch.setattr(cute, "import_cute", lambda module: block_sparsity)
+    blocks = _unpacked_gqa_lists()
+    cute.block_sparse_tensors(blocks, batch=1, max_seqlen_q=300, max_seqlen_k=512)
+    assert seen["mask_block_cnt"].shape == seen["full_block_cnt"].shape == (1, 16, 3)
+    assert seen["mask_block_idx"].shape[:3] == (1, 16, 3)
+    q, k = torch.empty(1, 300, 16, 128), torch.empty(1, 512, 4, 128)
+    assert not fa4.packs_query_heads(q, k, blocks)
+    assert fa4.tiles(q, k, blocks, batch=1, max_seqlen_q=300) == 16 * 3
 
 
 @pytest.mark.parametrize("block_size", [64, 128])
@@ -57,8 +87,8 @@ def test_varlen_lists_relaid_at_flash_attn_4_stride(block_size):
     blocks = pack_varlen_lists(full, None, block_size, 128)
     cnt = blocks.full_cnt.clone()
     cnt[0, 0] += 3  # a count past its row
-    rows = fa4._VarlenRows.of(blocks, torch.tensor(seqlens_k), max(seqlens_k))
-    new_cnt, new_idx = fa4._varlen_lists(cnt, blocks.full_idx, rows)
+    rows = cute._VarlenRows.of(blocks, torch.tensor(seqlens_k), max(seqlens_k))
+    new_cnt, new_idx = cute._varlen_lists(cnt, blocks.full_idx, rows)
     offsets = rows.new_offsets
     stride = [-(-sk // block_size) for sk in seqlens_k]
     expected_offsets = [0]
@@ -90,7 +120,7 @@ def test_bad_backend_name_is_refused():
 def test_missing_runtime_is_named():
     """Without flash-attn-4's runtime, backend="fa4" says so (and auto takes FA-2: every GPU run
     without the runtime in tests/RESULTS.md went through auto)."""
-    reason = fa4.missing_runtime()
+    reason = cute.missing_runtime()
     if reason is None:
         pytest.skip("flash-attn-4 and its runtime import here")
     assert "[hopper]" in reason
@@ -105,7 +135,7 @@ def _needs_fa4():
         pytest.skip("no CUDA GPU on this machine")
     if importlib.util.find_spec("cutlass") is None:
         pytest.skip("the CuTe-DSL runtime (nvidia-cutlass-dsl, extra [hopper]) is not installed")
-    assert fa4.missing_runtime() is None, fa4.missing_runtime()
+    assert cute.missing_runtime() is None, cute.missing_runtime()
 
 
 @pytest.mark.gpu
@@ -144,6 +174,34 @@ def test_batched_matches_reference_and_fa2(dtype, head_dim, causal, table_heads,
     assert torch.isneginf(lse[0, :heads // n_table_heads, empty_rows]).all()
     assert max_err(lse, lse_fa2) <= 1e-3
     assert max_err(out, out_fa2) <= 2e-2
+
+
+@pytest.mark.gpu
+@pytest.mark.sm90
+@pytest.mark.parametrize("backend", ["auto", "fa4"])
+@pytest.mark.parametrize("seqlen_q,heads,heads_k,table_heads", [
+    (2048, 32, 32, 32),  # defect 1: per-query-tile full lists, no mask lists (DESIGN 7's prefill, scaled)
+    (1000, 16, 4, 16),   # defect 2: per-query-head lists with GQA at prefill
+    (16, 16, 4, 16),     # ... and at decode
+], ids=["prefill-per-tile", "gqa-per-query-head-prefill", "gqa-per-query-head-decode"])
+def test_full_lists_only_per_tile_and_per_query_head(backend, seqlen_q, heads, heads_k, table_heads):
+    """Issue 28 defects 1 and 2: lists per (batch, head, query tile) with no mask lists ran into
+    flash-attn-4's own ValueErrors (m-block dims; GQA head dim) on fa4 and auto."""
+    _needs_fa4()
+    g = torch.Generator(device="cuda").manual_seed(seqlen_q + heads)
+    rng = random.Random(seqlen_q + heads)
+    seqlen_k, block, q_block = 2000, 128, 128
+    n_blocks, m_blocks = -(-seqlen_k // block), -(-seqlen_q // q_block)
+    q, k, v = random_qkv(1, seqlen_q, seqlen_k, heads, heads_k, 128, torch.bfloat16, generator=g)
+    full = [[rng.sample(range(n_blocks), rng.randint(0, 6)) for _ in range(m_blocks)] for _ in range(table_heads)]
+    full[0][0] = []  # an empty tile: O = 0, LSE = -inf
+    blocks = SparseBlocks.from_lists([full], block_size=block, q_block_size=q_block, device="cuda")
+    poison_allocator(((1, seqlen_q, heads, 128), torch.bfloat16), ((1, heads, seqlen_q), torch.float32))
+    out, lse = fas.flash_attn_with_sparse_block_table(q, k, v, blocks, backend=backend, validate="full")
+    empty = [[[] for _ in per_h] for per_h in full]
+    visible = visibility_from_lists(full, empty, block, q_block, seqlen_q, seqlen_k, heads, causal=False, device="cuda")
+    assert_close_to_reference(out, lse, q, k, v, visible)
+    assert (out[0, :min(q_block, seqlen_q), 0] == 0).all() and torch.isneginf(lse[0, 0, :min(q_block, seqlen_q)]).all()
 
 
 @pytest.mark.gpu
@@ -221,14 +279,16 @@ def test_varlen_ragged_batch(dtype, block_size, causal, num_splits):
     q = torch.cat([x[0][0] for x in per_seq])
     k = torch.cat([x[1][0] for x in per_seq])
     v = torch.cat([x[2][0] for x in per_seq])
-    args = (q, k, v, cu_q, cu_k, max(s[0] for s in seqlens), max(s[1] for s in seqlens), blocks)
+    args = (q, k, v, blocks)
+    sizes = dict(cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=max(s[0] for s in seqlens),
+                 max_seqlen_k=max(s[1] for s in seqlens))
     if num_splits > 1:
         with pytest.raises(SparseInputError, match="^num_splits.*fixed-length"):
-            fas.flash_attn_varlen_with_sparse_blocks(*args, causal=causal, backend="fa4", num_splits=num_splits)
+            fas.flash_attn_varlen_with_sparse_blocks(*args, **sizes, causal=causal, backend="fa4", num_splits=num_splits)
         return
     poison_allocator((tuple(q.shape), q.dtype), ((heads, q.shape[0]), torch.float32))
-    out, lse = fas.flash_attn_varlen_with_sparse_blocks(*args, causal=causal, backend="fa4", validate="full")
-    out_fa2, lse_fa2 = fas.flash_attn_varlen_with_sparse_blocks(*args, causal=causal, backend="fa2")
+    out, lse = fas.flash_attn_varlen_with_sparse_blocks(*args, **sizes, causal=causal, backend="fa4", validate="full")
+    out_fa2, lse_fa2 = fas.flash_attn_varlen_with_sparse_blocks(*args, **sizes, causal=causal, backend="fa2")
     for i, (sq, sk) in enumerate(seqlens):
         if sq == 0:
             continue
@@ -329,8 +389,8 @@ def test_speculative_forms_run_on_fa4_at_prefill(causal_spec, monkeypatch):
     missed_ids = random.Random(5).sample(range((seqlen_k - seqlen_q) // block), 12)  # gapped, historical for every row
     spec, missed, visible = _speculative_sets(spec_ids, missed_ids, seqlen_q, seqlen_k, block, causal_spec)
     fa4_lists = []
-    run_fa4 = fa4.run
-    monkeypatch.setattr(fa4, "run", lambda q, k, v, blocks, **kw: fa4_lists.append(blocks) or run_fa4(q, k, v, blocks, **kw))
+    run_fa4 = fa4.launch
+    monkeypatch.setattr(fa4, "launch", lambda q, k, v, blocks, **kw: fa4_lists.append(blocks) or run_fa4(q, k, v, blocks, **kw))
 
     poison_allocator(((1, seqlen_q, heads, 128), torch.bfloat16), ((1, heads, seqlen_q), torch.float32))
     out, lse = fas.flash_attn_speculative_sparse_zero_copy(q, k, v, spec, missed, causal_spec=causal_spec, validate="full")
@@ -370,8 +430,8 @@ def test_speculative_forms_at_decode_with_fa4_present(causal_spec, monkeypatch):
     missed_ids = random.Random(3).sample(range(spec_start), 9)
     spec, missed, visible = _speculative_sets(spec_ids, missed_ids, seqlen_q, seqlen_k, block, causal_spec)
     fa4_calls = []
-    run_fa4 = fa4.run
-    monkeypatch.setattr(fa4, "run", lambda *a, **kw: fa4_calls.append((kw["num_splits"], kw.get("mask_source") is not None))
+    run_fa4 = fa4.launch
+    monkeypatch.setattr(fa4, "launch", lambda *a, **kw: fa4_calls.append((kw["num_splits"], kw.get("mask_source") is not None))
                         or run_fa4(*a, **kw))
 
     poison_allocator(((batch, seqlen_q, heads, 128), torch.bfloat16), ((batch, heads, seqlen_q), torch.float32))

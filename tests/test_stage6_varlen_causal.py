@@ -103,8 +103,9 @@ def test_varlen_ragged_batch(block_size, causal, num_splits):
     k = torch.cat([x[1][0] for x in per_seq])
     v = torch.cat([x[2][0] for x in per_seq])
     poison_allocator((tuple(q.shape), q.dtype), ((heads, q.shape[0]), torch.float32))
-    out, lse = fas.flash_attn_varlen_with_sparse_blocks(q, k, v, cu_q, cu_k, max(s[0] for s in seqlens),
-                                                        max(s[1] for s in seqlens), blocks, causal=causal,
+    out, lse = fas.flash_attn_varlen_with_sparse_blocks(q, k, v, blocks, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k,
+                                                        max_seqlen_q=max(s[0] for s in seqlens),
+                                                        max_seqlen_k=max(s[1] for s in seqlens), causal=causal,
                                                         num_splits=num_splits, validate="full")
     for i, (sq, sk) in enumerate(seqlens):
         if sq == 0:

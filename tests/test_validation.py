@@ -55,7 +55,8 @@ def varlen_call(blocks=None, cu_seqlens_q=None, **kwargs):
     cu_k = torch.tensor([0, 300, 1000], dtype=torch.int32)
     if blocks is None:
         blocks = pack_varlen_lists([[[[0, 1]] for _ in range(HK)], [[[2], [5]] for _ in range(HK)]], None, BS, 128)
-    return fas.flash_attn_varlen_with_sparse_blocks(q, k, torch.randn_like(k), cu_q, cu_k, 130, 700, blocks, **kwargs)
+    return fas.flash_attn_varlen_with_sparse_blocks(q, k, torch.randn_like(k), blocks, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k,
+                                                    max_seqlen_q=130, max_seqlen_k=700, **kwargs)
 
 
 def with_offsets(cu_total_m_blocks, cu_block_idx_offsets):
@@ -83,12 +84,12 @@ def paged_call(page_table=None, k=None, v=None, page_size=PAGE, blocks=None, blo
 
 def paged_varlen_call():
     """Varlen and paged together: only reachable through the internal call object."""
-    from flash_attn_sparse.interface import _Call
+    from flash_attn_sparse.calls import SparseCall
     g = torch.Generator().manual_seed(1)
     q = torch.randn(135, H, D, generator=g).bfloat16()
     k = torch.randn(PAGES, PAGE, HK, D, generator=g).bfloat16()
     blocks = pack_varlen_lists([[[[0, 1]] for _ in range(HK)], [[[2], [5]] for _ in range(HK)]], None, BS, 128)
-    return _Call(q, k, torch.randn_like(k), blocks, causal=False, softmax_scale=None,
+    return SparseCall(q, k, torch.randn_like(k), blocks, causal=False, softmax_scale=None,
                  cu_seqlens_q=torch.tensor([0, 5, 135], dtype=torch.int32), cu_seqlens_k=torch.tensor([0, 300, 1000], dtype=torch.int32),
                  max_seqlen_q=130, max_seqlen_k=700, page_table=torch.zeros(2, 16, dtype=torch.int32))
 
@@ -262,7 +263,7 @@ def test_speculative_one_launch_conditions(change, refused):
     """Which speculative calls run as one launch over both K/V sources: the conditions
     mha_fwd_sparse checks for a mask-block source (the call falls back to two passes, which
     refuses bad input itself)."""
-    from flash_attn_sparse.interface import _one_launch_refusal
+    from flash_attn_sparse.speculative import _one_launch_refusal
     q, k, v = qkv(dim=64 if change == "head_dim_64" else 128)
     k_spec, v_spec = k[:, :256].contiguous(), v[:, :256].contiguous()
     missed = SparseBlocks.from_block_table(table(1, 3), 64 if change == "block_64" else BS, B,
@@ -273,3 +274,22 @@ def test_speculative_one_launch_conditions(change, refused):
         k_spec = k_spec.half()
     reason = _one_launch_refusal(q, k_spec, v_spec, k, v, missed)
     assert (reason is not None) == refused, reason
+
+
+@pytest.mark.parametrize("entry, positional", [
+    ("flash_attn_with_sparse_block_table", ["q", "k", "v", "sparse_block_table"]),
+    ("flash_attn_varlen_with_sparse_blocks", ["q", "k", "v", "blocks"]),
+    ("flash_attn_speculative_sparse", ["q", "k_spec", "v_spec", "k", "v", "sparse_block_table"]),
+    ("flash_attn_speculative_sparse_zero_copy", ["q", "k", "v", "spec_block_table", "missed_block_table"]),
+    ("flash_attn_sparse_partials", ["q", "k", "v", "block_groups"]),
+    ("choose_backend", ["q", "k", "v", "blocks"]),
+    ("choose_num_splits_for", ["q", "k", "v", "blocks"]),
+])
+def test_entry_points_take_options_by_keyword_only(entry, positional):
+    """The tensors and the lists by position, every option by keyword (issue 25)."""
+    import inspect
+    parameters = inspect.signature(getattr(fas, entry)).parameters.values()
+    assert [p.name for p in parameters if p.kind == p.POSITIONAL_OR_KEYWORD] == positional
+    assert all(p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY, p.VAR_KEYWORD) for p in parameters)
+    with pytest.raises(TypeError, match="positional"):
+        getattr(fas, entry)(*[None] * (len(positional) + 1))  # one more, e.g. a block_size by position

@@ -3,25 +3,23 @@ blocks, the speculative + repair two-pass merged exactly through the (O, LSE) co
 varlen block sparsity. Ships inside the patched flash_attn wheel; `reference` needs no GPU."""
 
 from .metadata import SparseBlocks, SparseInputError
+from .backends.cute import blocks_from_cute_block_sparse_tensors, to_cute_block_sparse_tensors
 from .builders import (
-    blocks_from_cute_block_sparse_tensors,
     blocks_from_flex_block_mask,
     blocks_from_mask,
     blocks_from_scores,
     flex_block_mask_from_blocks,
     pack_varlen,
-    to_cute_block_sparse_tensors,
 )
 from .interface import (
     choose_backend,
     choose_num_splits_for,
     flash_attn_combine,
     flash_attn_sparse_partials,
-    flash_attn_speculative_sparse,
-    flash_attn_speculative_sparse_zero_copy,
     flash_attn_varlen_with_sparse_blocks,
     flash_attn_with_sparse_block_table,
 )
+from .speculative import flash_attn_speculative_sparse, flash_attn_speculative_sparse_zero_copy
 
 __all__ = [
     "SparseBlocks",

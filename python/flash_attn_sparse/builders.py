@@ -1,5 +1,5 @@
 """Builders of block-list metadata (SparseBlocks) on the device, and converters to and from the
-block-sparsity formats of FlexAttention and of upstream's CuTe-DSL kernels (flash-attn-4).
+block-sparsity format of FlexAttention (flash-attn-4's CuTe tensors: backends/cute.py).
 
 Every builder here is made of plain torch ops whose output shapes depend only on input shapes
 and Python ints: none reads a value back to the host (.item(), .tolist(), .cpu(), a
@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any, Callable, Optional, Tuple
 import torch
 from torch import Tensor
 
-from .metadata import SparseBlocks, cdiv, fail
+from .metadata import PAST_EVERY_ID, SparseBlocks, cdiv, fail, zeros_with_layout
 
 if TYPE_CHECKING:  # imported lazily at run time: `import flash_attn_sparse` stays light
     from torch.nn.attention.flex_attention import BlockMask
@@ -27,13 +27,10 @@ __all__ = [
     "blocks_from_scores",
     "blocks_from_flex_block_mask",
     "flex_block_mask_from_blocks",
-    "to_cute_block_sparse_tensors",
-    "blocks_from_cute_block_sparse_tensors",
     "pack_varlen",
 ]
 
 FLEX_DEFAULT_Q_BLOCK_SIZE = 128  # FlexAttention's default BLOCK_SIZE, used when q_block_size is None
-_PAST_EVERY_ID = torch.iinfo(torch.int32).max  # sort key of entries past cnt
 
 
 # --- shared helpers -------------------------------------------------------------------------
@@ -79,18 +76,9 @@ def _ascending_lists(cnt: Tensor, idx: Tensor) -> Tuple[Tensor, Tensor]:
     idx = idx.to(torch.int32)
     in_list = _entry_positions(idx.shape[-1], idx.device) < cnt.unsqueeze(-1)
     # Entries past cnt sort behind every real id, whatever garbage they held.
-    keys = torch.where(in_list, idx, _PAST_EVERY_ID)
+    keys = torch.where(in_list, idx, PAST_EVERY_ID)
     ordered = keys.sort(dim=-1).values
     return cnt, torch.where(in_list, ordered, 0).contiguous()
-
-
-def _zeros_with_layout(t: Tensor) -> Tensor:
-    """Zeros of t's shape *and strides* (stride-0 broadcast dims included): SparseBlocks needs
-    its mask and full tables to share a layout."""
-    if t.numel() == 0:
-        return torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=t.device)
-    storage = 1 + sum((size - 1) * stride for size, stride in zip(t.shape, t.stride()))
-    return torch.zeros(storage, dtype=t.dtype, device=t.device).as_strided(t.shape, t.stride())
 
 
 def _dense_from_lists(cnt: Tensor, idx: Tensor, num_blocks: int) -> Tensor:
@@ -227,7 +215,7 @@ def blocks_from_flex_block_mask(block_mask: "BlockMask") -> SparseBlocks:
     q_block_size, kv_block_size = block_mask.BLOCK_SIZE
     mask_cnt, mask_idx = _ascending_lists(kv_cnt, kv_idx)
     if block_mask.full_kv_num_blocks is None:
-        full_cnt, full_idx = _zeros_with_layout(mask_cnt), _zeros_with_layout(mask_idx)
+        full_cnt, full_idx = zeros_with_layout(mask_cnt), zeros_with_layout(mask_idx)
     else:
         full_cnt, full_idx = _ascending_lists(block_mask.full_kv_num_blocks, block_mask.full_kv_indices)
         if full_idx.shape != mask_idx.shape:
@@ -320,72 +308,6 @@ def _listed_blocks_mask_mod(block_kind: Tensor, q_block_size: int, kv_block_size
         return (kind == 1) | in_mask_block
 
     return listed_blocks
-
-
-# --- CuTe-DSL (flash-attn-4) block-sparse tensors ---------------------------------------------
-
-def to_cute_block_sparse_tensors(blocks: SparseBlocks, max_seqlen_q: Optional[int] = None):
-    """flash-attn-4's BlockSparseTensorsTorch (flash_attn.cute.block_sparsity) from SparseBlocks.
-
-    Our "full"/"mask" lists map to its full_block_*/mask_block_*; cu_total_m_blocks and
-    cu_block_idx_offsets (varlen) pass through; block_size becomes (q_block_size, block_size).
-    The tensors are shared, not copied. Its constructor needs mask lists: without ours, empty
-    ones (zero counts) are made. q_block_size=None (one row for every query row) needs
-    max_seqlen_q to name the tile size. The backward-only fields (dq_write_order, ...) stay None.
-    """
-    from .fa4 import import_cute
-    try:
-        BlockSparseTensorsTorch = import_cute("block_sparsity").BlockSparseTensorsTorch
-    except ImportError as error:
-        raise ImportError(
-            "to_cute_block_sparse_tensors needs flash-attn-4, upstream's CuTe-DSL FlashAttention "
-            "(`pip install flash-attn-4`, imported as flash_attn.cute), which is not installed: "
-            f"{error}") from error
-    if not isinstance(blocks, SparseBlocks):
-        fail("blocks", f"must be SparseBlocks, got {type(blocks).__name__}")
-    q_block_size = blocks.q_block_size
-    if q_block_size is None:
-        if max_seqlen_q is None:
-            fail("max_seqlen_q", "is needed when blocks.q_block_size is None: the CuTe kernels take the query tile size explicitly")
-        q_block_size = blocks.resolved_q_block_size(max_seqlen_q)
-    if blocks.mask_cnt is not None:
-        mask_cnt, mask_idx = blocks.mask_cnt, blocks.mask_idx
-    else:
-        mask_cnt, mask_idx = _zeros_with_layout(blocks.full_cnt), _zeros_with_layout(blocks.full_idx)
-    return BlockSparseTensorsTorch(
-        mask_block_cnt=mask_cnt,
-        mask_block_idx=mask_idx,
-        full_block_cnt=blocks.full_cnt,
-        full_block_idx=blocks.full_idx,
-        cu_total_m_blocks=blocks.cu_total_m_blocks,
-        cu_block_idx_offsets=blocks.cu_block_idx_offsets,
-        block_size=(int(q_block_size), int(blocks.block_size)),
-    )
-
-
-def blocks_from_cute_block_sparse_tensors(tensors) -> SparseBlocks:
-    """SparseBlocks from flash-attn-4's BlockSparseTensorsTorch, or any object with its attribute
-    names (mask_block_cnt, mask_block_idx, full_block_cnt, full_block_idx, cu_total_m_blocks,
-    cu_block_idx_offsets, block_size = (q, kv)); the tensors are shared, not copied.
-
-    block_size must be set: without it flash-attn-4 falls back on its kernel tile sizes, which
-    are not known here. Missing full lists become empty ones (zero counts) with the layout of
-    the mask lists; the backward-only fields are ignored.
-    """
-    block_size = getattr(tensors, "block_size", None)
-    if block_size is None or len(block_size) != 2:
-        fail("block_size", f"must be (q_block_size, kv_block_size), got {block_size!r}")
-    mask_cnt, mask_idx = tensors.mask_block_cnt, tensors.mask_block_idx
-    full_cnt, full_idx = tensors.full_block_cnt, tensors.full_block_idx
-    if (mask_cnt is None) != (mask_idx is None) or (full_cnt is None) != (full_idx is None):
-        fail("tensors", "each *_block_cnt comes with its *_block_idx")
-    if full_cnt is None:
-        if mask_cnt is None:
-            fail("tensors", "has neither mask nor full block lists")
-        full_cnt, full_idx = _zeros_with_layout(mask_cnt), _zeros_with_layout(mask_idx)
-    return SparseBlocks(full_cnt, full_idx, mask_cnt, mask_idx, block_size=int(block_size[1]),
-                        q_block_size=int(block_size[0]), cu_total_m_blocks=tensors.cu_total_m_blocks,
-                        cu_block_idx_offsets=tensors.cu_block_idx_offsets)
 
 
 # --- varlen packing ---------------------------------------------------------------------------

@@ -32,6 +32,7 @@ from torch import Tensor
 BLOCK_SIZES = (16, 32, 64, 128, 256)
 Q_BLOCK_MULTIPLE = 64  # query tiles are whole 64-row kernel tiles
 VALIDATE_ENV = "FLASH_ATTN_SPARSE_VALIDATE"
+PAST_EVERY_ID = torch.iinfo(torch.int32).max  # sort key of list entries past the count or out of range
 
 
 class SparseInputError(ValueError):
@@ -168,7 +169,6 @@ class SparseBlocks:
         return SparseBlocks(full_cnt.to(device), full_idx.to(device), mask_cnt, mask_idx, block_size, q_block_size)
 
 
-
 def pack_varlen_lists(full: Sequence, mask: Optional[Sequence] = None, block_size: int = 128,
                       q_block_size: int = 128, device=None) -> SparseBlocks:
     """Varlen metadata from nested Python lists full[b][hs][m] = [block ids] (host-side helper).
@@ -202,6 +202,15 @@ def pack_varlen_lists(full: Sequence, mask: Optional[Sequence] = None, block_siz
     as_tensor = lambda values: torch.tensor(values, dtype=torch.int32, device=device)
     return SparseBlocks(full_cnt, full_idx, mask_cnt, mask_idx, block_size, q_block_size,
                         cu_total_m_blocks=as_tensor(cu_m), cu_block_idx_offsets=as_tensor(cu_off))
+
+
+def zeros_with_layout(t: Tensor) -> Tensor:
+    """Zeros of t's shape *and strides* (stride-0 broadcast dims included): SparseBlocks needs
+    its mask and full tables to share a layout."""
+    if t.numel() == 0:
+        return torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=t.device)
+    storage = 1 + sum((size - 1) * stride for size, stride in zip(t.shape, t.stride()))
+    return torch.zeros(storage, dtype=t.dtype, device=t.device).as_strided(t.shape, t.stride())
 
 
 def _check_table(t: Optional[Tensor], name: str, device: torch.device, dim: int):

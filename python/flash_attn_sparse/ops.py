@@ -55,6 +55,19 @@ def head_dim_rounded(head_dim: int) -> int:
     return (head_dim + multiple - 1) // multiple * multiple
 
 
+# The arguments both ops pass to flash_attn_2_cuda.sparse_fwd, by the names its binding gives them
+# (patch flash-attn/0005: keyword-only); `causal` is its `is_causal`, the FA-2 spelling.
+EXTENSION_ARGS = ("q", "k", "v", "full_cnt", "full_idx", "mask_cnt", "mask_idx", "cu_seqlens_q", "cu_seqlens_k",
+                  "seqused_k", "page_table", "cu_total_m_blocks", "cu_block_idx_offsets", "max_seqlen_q",
+                  "max_seqlen_k", "block_size", "q_block_size", "softmax_scale", "num_splits", "pack_gqa",
+                  "k_mask_source", "v_mask_source")
+
+
+def _extension_args(op_args: dict) -> dict:
+    """sparse_fwd's keyword arguments from an op's own (named like them), with out=None."""
+    return dict({name: op_args[name] for name in EXTENSION_ARGS}, out=None, is_causal=op_args["causal"])
+
+
 @torch.library.custom_op("flash_attn_sparse::fwd", mutates_args=(), device_types="cuda")
 def sparse_fwd(q: Tensor, k: Tensor, v: Tensor, full_cnt: Tensor, full_idx: Tensor,
                mask_cnt: Optional[Tensor], mask_idx: Optional[Tensor],
@@ -65,10 +78,8 @@ def sparse_fwd(q: Tensor, k: Tensor, v: Tensor, full_cnt: Tensor, full_idx: Tens
                page_table: Optional[Tensor], k_mask_source: Optional[Tensor],
                v_mask_source: Optional[Tensor]) -> Tuple[Tensor, Tensor]:
     """k_mask_source / v_mask_source: the K/V the mask blocks name, when not k and v."""
-    out, lse = _cuda_module().sparse_fwd(
-        q, k, v, None, full_cnt, full_idx, mask_cnt, mask_idx, cu_seqlens_q, cu_seqlens_k, seqused_k, page_table,
-        cu_total_m_blocks, cu_block_idx_offsets, max_seqlen_q, max_seqlen_k, block_size, q_block_size,
-        softmax_scale, causal, num_splits, pack_gqa, None, None, 0, k_mask_source, v_mask_source)
+    out, lse = _cuda_module().sparse_fwd(**_extension_args(locals()), out_partial=None, lse_partial=None,
+                                         partial_offset=0)
     return out, lse
 
 
@@ -94,10 +105,8 @@ def sparse_fwd_partial(q: Tensor, k: Tensor, v: Tensor, full_cnt: Tensor, full_i
                        page_table: Optional[Tensor], k_mask_source: Optional[Tensor], v_mask_source: Optional[Tensor],
                        out_partial: Tensor, lse_partial: Tensor, partial_offset: int) -> None:
     """Writes fp32 partials of this call to slots [partial_offset, partial_offset + num_splits)."""
-    _cuda_module().sparse_fwd(
-        q, k, v, None, full_cnt, full_idx, mask_cnt, mask_idx, cu_seqlens_q, cu_seqlens_k, seqused_k, page_table,
-        cu_total_m_blocks, cu_block_idx_offsets, max_seqlen_q, max_seqlen_k, block_size, q_block_size,
-        softmax_scale, causal, num_splits, pack_gqa, out_partial, lse_partial, partial_offset, k_mask_source, v_mask_source)
+    _cuda_module().sparse_fwd(**_extension_args(locals()), out_partial=out_partial, lse_partial=lse_partial,
+                              partial_offset=partial_offset)
 
 
 @sparse_fwd_partial.register_fake
@@ -110,7 +119,8 @@ def combine(out_partial: Tensor, lse_partial: Tensor, out_dtype: torch.dtype, he
             cu_seqlens_q: Optional[Tensor], total_q: int) -> Tuple[Tensor, Tensor]:
     """Merges (S, b, h, seqlen_q, d_rounded) / (S, b, h, seqlen_q) fp32 partials."""
     out, lse = _combine_outputs(out_partial, out_dtype, head_dim, cu_seqlens_q, total_q)
-    _cuda_module().combine(out_partial, lse_partial, out, lse, cu_seqlens_q)
+    _cuda_module().combine(out_partial=out_partial, lse_partial=lse_partial, out=out, softmax_lse=lse,
+                           cu_seqlens_q=cu_seqlens_q)
     return out, lse
 
 

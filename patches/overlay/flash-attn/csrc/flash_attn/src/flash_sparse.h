@@ -46,7 +46,8 @@ inline long sparse_max_list_keys(const Flash_fwd_params &params) {
     return listed * params.sparse_block_size;
 }
 
-// flash_attn_sparse.interface._decode_tile makes the same choice when it picks the split count.
+// flash_attn_sparse.backends.fa2.decode_tile makes the same choice when it picks the split count
+// (tests/test_seam_parity.py holds the two to one rule).
 inline bool sparse_decode_tile(const Flash_fwd_params &params) {
     if (params.seqlen_q * params.sparse_pack_gqa > kSparseDecodeBlockM) { return false; }
     const long list_keys = sparse_max_list_keys(params);

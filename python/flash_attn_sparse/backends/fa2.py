@@ -1,0 +1,135 @@
+"""The FA-2 backend: this package's sparse kernels in the patched flash_attn_2_cuda (stages 3, 5),
+reached through the torch custom ops of ops.py, so calls trace under torch.compile. It runs every
+call that passes validation, on any GPU the wheel was built for; a head dim the build did not
+compile is refused when the arguments are made (op_args).
+
+Its tile and split rules mirror the kernel's: decode_tile is flash_sparse.h's
+sparse_decode_tile, tile_n the keys per tile of run_mha_fwd_sparse_narrow_ (tests/
+test_split_heuristics.py and tests/test_seam_parity.py hold them to the C++).
+"""
+
+import math
+from typing import Tuple
+
+from torch import Tensor
+
+from .. import ops
+from ..metadata import cdiv, fail
+from .device import MAX_SPLITS, num_sms
+
+KERNEL_ROWS = 64  # query rows per CTA of the split-capable kernel
+DECODE_KERNEL_ROWS = 16  # ... or of its 16-row forms: key-split, or one-warp decode over long lists when
+DECODE_MIN_LIST_KEYS = 16384  # flash_sparse.h's sparse_decode_tile, which says what was measured
+DECODE_MIN_TOTAL_KEYS = 1 << 20
+
+
+def decode_tile(packed_rows: int, max_list_keys: int, ctas: int) -> bool:
+    """Whether the kernel runs its 16-row decode tile (the same rule as sparse_decode_tile)."""
+    return (packed_rows <= DECODE_KERNEL_ROWS and max_list_keys >= DECODE_MIN_LIST_KEYS
+            and ctas * max_list_keys >= DECODE_MIN_TOTAL_KEYS)
+
+
+def tile_n(head_dim: int, decode: bool) -> int:
+    """Keys per tile of the split-capable sparse kernel: its 64-row form, or its 16-row decode form."""
+    if decode:
+        return 128 if head_dim <= 128 else 64
+    return 256 if head_dim <= 64 else (128 if head_dim <= 128 else 64)
+
+
+def choose_num_splits(batch_heads_mblocks: int, num_slots: int, num_tiles: int, max_splits: int = MAX_SPLITS) -> int:
+    """Upstream's num_splits_heuristic, over the tiles of the block list instead of the dense range.
+
+    One split if the CTAs nearly fill the GPU; else the fewest splits within 85% of the best
+    wave efficiency, counting a split count as distinct only if it changes tiles per split.
+    """
+    if batch_heads_mblocks >= 0.8 * num_slots:
+        return 1
+    max_splits = min(max_splits, num_slots, num_tiles)
+    candidates, efficiencies = [], []
+    for splits in range(1, max_splits + 1):
+        if splits > 1 and cdiv(num_tiles, splits) == cdiv(num_tiles, splits - 1):
+            continue
+        waves = batch_heads_mblocks * splits / num_slots
+        candidates.append(splits)
+        efficiencies.append(waves / math.ceil(waves))
+    best = max(efficiencies)
+    for splits, efficiency in zip(candidates, efficiencies):
+        if efficiency >= 0.85 * best:
+            return splits
+    return 1
+
+
+def split_slots(q: Tensor, decode: bool) -> int:
+    """CTAs per wave that the split heuristic fills: two per SM, as upstream assumes, and three of
+    the one-warp decode tile. The key-split tile fits three per SM too, but counted as two it
+    picks fewer, longer splits, which measured faster: run 41's sweep (H200, lists from HBM), 4
+    splits instead of 6 at B8 Sq1 1/4 and 1/16 (-1.2 us each), 29 instead of 37 at B1 1/4 (-2.2
+    us), and 32 as before at B1 1/16."""
+    return (3 if decode else 2) * num_sms(q.device.index or 0)
+
+
+def pack_gqa(call) -> bool:
+    """Whether the query heads of a K/V head share a tile, so each listed K/V block is read once
+    per K/V head: when tiles would otherwise be mostly empty (short queries, decode), and the
+    lists are shared or per K/V head."""
+    heads, heads_k = call.q.shape[-2], call.k.shape[-2]
+    group = heads // heads_k
+    q_block = call.blocks.resolved_q_block_size(call.max_seqlen_q)
+    return (group > 1 and call.blocks.num_heads in (1, heads_k) and KERNEL_ROWS % group == 0
+            and q_block % (KERNEL_ROWS // group) == 0 and call.max_seqlen_q < KERNEL_ROWS)
+
+
+def split_work(call) -> Tuple[int, int, int]:
+    """(CTAs per split, CTAs per wave, kernel tiles of the longest list) of the split-capable
+    kernel, in the form it runs (run_mha_fwd_sparse_narrow_): the one-warp 16-row decode tile,
+    else for packed rows that fit 16 rows (head dim <= 128) the 16-row tile whose warps split
+    the keys, else 64-row tiles; the last two have the same CTAs and tiles here."""
+    group = call.q.shape[-2] // call.k.shape[-2] if pack_gqa(call) else 1
+    tile_heads = call.batch * (call.q.shape[-2] // group)
+    max_list_keys = call.max_list_length() * call.blocks.block_size
+    packed_rows = call.max_seqlen_q * group
+    decode = decode_tile(packed_rows, max_list_keys, tile_heads)
+    ctas = tile_heads * cdiv(packed_rows, KERNEL_ROWS)
+    tiles = cdiv(max_list_keys, tile_n(call.q.shape[-1], decode))
+    return ctas, split_slots(call.q, decode), max(tiles, 1)
+
+
+def op_args(call, splits: int) -> dict:
+    """The custom ops' arguments, by name; refuses a head dim this build did not compile."""
+    if refusal_of_build := ops.head_dim_refusal(call.q.shape[-1]):
+        fail("q", refusal_of_build)
+    b = call.blocks
+    mask_cnt, mask_idx = call.mask_lists or (b.mask_cnt, b.mask_idx)
+    k_source, v_source = call.mask_source or (None, None)
+    return dict(q=call.q, k=call.k, v=call.v, full_cnt=b.full_cnt, full_idx=b.full_idx, mask_cnt=mask_cnt,
+                mask_idx=mask_idx, cu_seqlens_q=call.cu_seqlens_q, cu_seqlens_k=call.cu_seqlens_k,
+                seqused_k=call.seqused_k, cu_total_m_blocks=b.cu_total_m_blocks,
+                cu_block_idx_offsets=b.cu_block_idx_offsets, max_seqlen_q=call.max_seqlen_q,
+                max_seqlen_k=call.max_seqlen_k, block_size=b.block_size,
+                q_block_size=b.resolved_q_block_size(call.max_seqlen_q), softmax_scale=call.scale,
+                causal=call.causal, num_splits=splits, pack_gqa=pack_gqa(call), page_table=call.page_table,
+                k_mask_source=k_source, v_mask_source=v_source)
+
+
+# --- the backend protocol (backends/__init__.py) ----------------------------------------------
+
+def refusal(call) -> None:
+    """FA-2 runs every validated call (a head dim outside the build is refused by op_args)."""
+    return None
+
+
+def num_splits(call) -> int:
+    """The requested split count, or the heuristic's choice for 0."""
+    if call.requested_splits:
+        return call.requested_splits
+    return choose_num_splits(*split_work(call))
+
+
+def run(call, splits: int) -> Tuple[Tensor, Tensor]:
+    return ops.sparse_fwd(**op_args(call, splits))
+
+
+def run_partial(call, out_partial: Tensor, lse_partial: Tensor, offset: int, splits: int) -> None:
+    """Writes `splits` fp32 partials of `call` into slots [offset, offset + splits)."""
+    ops.sparse_fwd_partial(**op_args(call, splits), out_partial=out_partial, lse_partial=lse_partial,
+                           partial_offset=offset)

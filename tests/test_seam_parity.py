@@ -1,0 +1,101 @@
+"""The Python <-> C++ seam: every rule written on both sides agrees, and the extension's sparse
+forward is called by the names its binding declares (patch flash-attn/0005)."""
+
+import inspect
+import re
+from pathlib import Path
+
+import pytest
+
+from flash_attn_sparse import ops
+
+ROOT = Path(__file__).parents[1]
+OVERLAY = ROOT / "patches/overlay/flash-attn/csrc/flash_attn"
+BINDINGS_PATCH = next((ROOT / "patches/flash-attn").glob("0005-*.patch"))
+
+
+def _binding_names(function: str):
+    """The py::arg names of m.def(function, ...) as patch 0005 adds it to flash_api.cpp."""
+    text = BINDINGS_PATCH.read_text()
+    match = re.search(rf'm\.def\("{function}",(.*?)\);\n', text.replace("\n+          ", " "), re.S)
+    assert match, f"patch 0005 binds {function}"
+    assert "py::kw_only()" in match.group(1), f"{function}'s arguments are keyword-only"
+    return re.findall(r'py::arg\("(\w+)"\)', match.group(1))
+
+
+def _declared_parameters(function: str):
+    """The parameter names of `function` in flash_api_sparse.h, trailing underscores dropped."""
+    header = (OVERLAY / "flash_api_sparse.h").read_text()
+    signature = re.search(rf"\b{function}\((.*?)\);", header, re.S).group(1)
+    return [re.sub(r"_$", "", p.split()[-1].lstrip("&")) for p in signature.split(",")]
+
+
+@pytest.mark.parametrize("function, entry", [("sparse_fwd", "mha_fwd_sparse"), ("combine", "mha_combine")])
+def test_binding_names_are_the_declared_parameters_in_order(function, entry):
+    assert _binding_names(function) == _declared_parameters(entry)
+
+
+def test_ops_pass_every_binding_argument_by_name():
+    """Both custom ops hand the extension exactly the binding's names: their own arguments (named
+    alike, `causal` as `is_causal`) plus out / the partials' slots."""
+    names = set(_binding_names("sparse_fwd"))
+    forward = ops._extension_args({name: name for name in inspect.signature(ops.sparse_fwd._init_fn).parameters})
+    assert set(forward) | {"out_partial", "lse_partial", "partial_offset"} == names
+    partial_params = inspect.signature(ops.sparse_fwd_partial._init_fn).parameters
+    assert set(ops._extension_args({name: name for name in partial_params})) | (
+        {"out_partial", "lse_partial", "partial_offset"} & set(partial_params)) == names
+
+
+def test_rounded_head_dim_matches_the_cpp_rule():
+    source = (OVERLAY / "flash_api_sparse.cpp").read_text()
+    rule = re.search(r"int head_size_rounded\(int head_size\) \{ return round_multiple\(head_size, "
+                     r"head_size <= (\d+) \? (\d+) : (\d+)\); \}", source)
+    assert rule, "flash_api_sparse.cpp's head_size_rounded keeps its one-line form"
+    limit, small, large = map(int, rule.groups())
+    for head_dim in range(8, 257, 8):
+        multiple = small if head_dim <= limit else large
+        assert ops.head_dim_rounded(head_dim) == -(-head_dim // multiple) * multiple
+
+
+def test_compiled_head_dims_are_head_dim_switch_kernels():
+    """sparse_head_dims lists the kernels HEADDIM_SWITCH has; Python's HEAD_DIM_KERNELS are them."""
+    source = (OVERLAY / "flash_api_sparse.cpp").read_text()
+    body = re.search(r"sparse_head_dims\(\) \{(.*?)\n\}", source, re.S).group(1)
+    assert tuple(map(int, re.findall(r"FLASHATTENTION_DISABLE_HDIM(\d+)", body))) == ops.HEAD_DIM_KERNELS
+    assert tuple(map(int, re.findall(r"head_dims\.push_back\((\d+)\)", body))) == ops.HEAD_DIM_KERNELS
+
+
+@pytest.mark.gpu
+def test_extension_accepts_keywords_only_and_reports_head_dims():
+    """On the built wheel: the binding refuses positional calls, and its head dims are kernels."""
+    extension = ops._cuda_module()
+    with pytest.raises(TypeError):
+        extension.combine(None, None, None, None, None)
+    head_dims, _ = ops.compiled_head_dims()
+    assert head_dims and set(head_dims) <= set(ops.HEAD_DIM_KERNELS)
+
+
+def test_decode_tile_rule_matches_sparse_decode_tile():
+    """fa2.decode_tile is flash_sparse.h's sparse_decode_tile over (packed rows, list keys, CTAs):
+    the same comparisons of the same quantities (the constants: test_split_heuristics.py)."""
+    from flash_attn_sparse.backends import fa2
+    header = (OVERLAY / "src/flash_sparse.h").read_text()
+    body = re.search(r"inline bool sparse_decode_tile\(const Flash_fwd_params &params\) \{(.*?)\n\}", header, re.S).group(1)
+    assert "if (params.seqlen_q * params.sparse_pack_gqa > kSparseDecodeBlockM) { return false; }" in body
+    assert "const long ctas = long(params.b) * (params.h / params.sparse_pack_gqa);" in body
+    assert "return list_keys >= kSparseDecodeMinListKeys && ctas * list_keys >= kSparseDecodeMinTotalKeys;" in body
+    for rows, keys, ctas in [(16, 16384, 64), (17, 16384, 64), (16, 16383, 64), (16, 16384, 63), (1, 1 << 20, 1)]:
+        expected = rows <= fa2.DECODE_KERNEL_ROWS and keys >= fa2.DECODE_MIN_LIST_KEYS and ctas * keys >= fa2.DECODE_MIN_TOTAL_KEYS
+        assert fa2.decode_tile(rows, keys, ctas) == expected
+
+
+def test_tile_keys_match_sparse_max_tile_keys():
+    """fa2.tile_n of the 64-row kernel is flash_sparse.h's sparse_max_tile_keys."""
+    from flash_attn_sparse.backends import fa2
+    header = (OVERLAY / "src/flash_sparse.h").read_text()
+    rule = re.search(r"sparse_max_tile_keys\(const int head_size\) \{ return head_size <= (\d+) \? (\d+) : "
+                     r"\(head_size <= (\d+) \? (\d+) : (\d+)\); \}", header)
+    first, small, second, middle, large = map(int, rule.groups())
+    for head_dim in range(8, 257, 8):
+        expected = small if head_dim <= first else (middle if head_dim <= second else large)
+        assert fa2.tile_n(head_dim, decode=False) == expected
