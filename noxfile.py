@@ -50,7 +50,7 @@ def check_patches(session: nox.Session) -> None:
 
 @nox.session
 def build(session: nox.Session) -> None:
-    """Build and install the patched wheels flash_attn, flash_attn_3, flash_attn_4 (FLASH_ATTN_SPARSE_PROFILE=dev|full, _ARCH=80,90, _JOBS=N; or -- --reuse --no-fa3)."""
+    """Build and install flash_attn, flash_attn_3, flash_attn_4 (FLASH_ATTN_SPARSE_PROFILE / _ARCH / _JOBS; -- --reuse --no-fa3)."""
     _forktools(session, "build", "--install")
 
 

@@ -99,7 +99,8 @@ def cases():
             fas.flash_attn_speculative_sparse(q, k_spec, v_spec, k, v, torch.tensor(missed, dtype=torch.int32, device="cuda"),
                                               block_size=128, num_splits=num_splits)
     print("speculative one launch: ok", flush=True)
-    parts = fas.flash_attn_sparse_partials(q, k, v, [torch.tensor(t, dtype=torch.int32, device="cuda") for t in ([1, 2], [], [7])], block_size=block)
+    groups = [torch.tensor(t, dtype=torch.int32, device="cuda") for t in ([1, 2], [], [7])]
+    parts = fas.flash_attn_sparse_partials(q, k, v, groups, block_size=block)
     fas.flash_attn_combine(*parts)
     # Many rows (4 x 32 x 16): the combine kernel's one-warp-per-row form; 40 splits: several rounds.
     lse_many = torch.randn(40, 4, 32, 16, generator=g, device="cuda")

@@ -17,8 +17,14 @@ import torch.multiprocessing as mp
 
 from distributed_cases import Case, build, oracle, shard_arguments
 from flash_attn_sparse import SparseBlocks, SparseInputError
-from flash_attn_sparse.distributed import (KeyShard, combine_partials, local_attention, pack_partial, sharded_sparse_attention,
-                                           unpack_partials)
+from flash_attn_sparse.distributed import (
+    KeyShard,
+    combine_partials,
+    local_attention,
+    pack_partial,
+    sharded_sparse_attention,
+    unpack_partials,
+)
 from flash_attn_sparse.metadata import pack_varlen_lists
 from flash_attn_sparse.shard_lists import shard_blocks
 

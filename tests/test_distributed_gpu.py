@@ -17,10 +17,16 @@ import torch
 import torch.distributed as dist
 
 from distributed_cases import Case, build, oracle, shard_arguments
-from helpers import LSE_TOLERANCE, max_err, poison_allocator
 from flash_attn_sparse import flash_attn_varlen_with_sparse_blocks, flash_attn_with_sparse_block_table
-from flash_attn_sparse.distributed import (combine_partials, head_dim_padded, local_attention, pack_partial,
-                                           sharded_sparse_attention, unpack_partials)
+from flash_attn_sparse.distributed import (
+    combine_partials,
+    head_dim_padded,
+    local_attention,
+    pack_partial,
+    sharded_sparse_attention,
+    unpack_partials,
+)
+from helpers import LSE_TOLERANCE, max_err, poison_allocator
 
 pytestmark = pytest.mark.gpu
 

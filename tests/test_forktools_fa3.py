@@ -10,6 +10,7 @@ import tarfile
 from pathlib import Path
 
 import pytest
+
 from forktools import ToolError, build_fa3, sources
 from forktools.layout import Layout
 

@@ -54,9 +54,9 @@ def patched_fa4(tmp_path_factory) -> Path:
 def compile_case(name: str) -> str:
     """Runs in the child interpreter: trace and compile one forward under FakeTensorMode."""
     import torch
-    from torch._subclasses.fake_tensor import FakeTensorMode
     from flash_attn.cute import interface
     from flash_attn.cute.block_sparsity import BlockSparseTensorsTorch
+    from torch._subclasses.fake_tensor import FakeTensorMode
 
     heads, heads_k, dim = 8, 2, 128
     with FakeTensorMode(allow_non_fake_inputs=True):

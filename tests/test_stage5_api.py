@@ -10,8 +10,15 @@ import torch
 import flash_attn_sparse as fas
 from flash_attn_sparse import ops
 from flash_attn_sparse.reference import attention_over_blocks, attention_ref, block_positions, combine_ref
-from helpers import (assert_close_to_reference, gather_speculative, max_err, missed_and_spec, poison_allocator, random_qkv,
-                     sparse_kernel_launches)
+from helpers import (
+    assert_close_to_reference,
+    gather_speculative,
+    max_err,
+    missed_and_spec,
+    poison_allocator,
+    random_qkv,
+    sparse_kernel_launches,
+)
 
 pytestmark = [pytest.mark.stage5, pytest.mark.gpu]
 
@@ -136,10 +143,10 @@ def test_partials_and_combine_equal_one_pass(groups):
     out, lse = fas.flash_attn_combine(out_partials, lse_partials, out_dtype=torch.bfloat16)
     one_out, one_lse = fas.flash_attn_with_sparse_block_table(q, k, v, torch.cat(tables), block_size=block_size)
     # Each partial against its own reference, then the merge against the one pass and the oracle.
-    for p, (o, l) in zip(parts, zip(out_partials, lse_partials)):
+    for p, (o, lse_p) in zip(parts, zip(out_partials, lse_partials)):
         vis = torch.zeros(16, seqlen_k, dtype=torch.bool, device="cuda")
         vis[:, block_positions(p, block_size, seqlen_k).cuda()] = True
-        assert_close_to_reference(o.transpose(1, 2), l, q, k, v, vis)
+        assert_close_to_reference(o.transpose(1, 2), lse_p, q, k, v, vis)
     vis = torch.zeros(16, seqlen_k, dtype=torch.bool, device="cuda")
     vis[:, block_positions(blocks, block_size, seqlen_k).cuda()] = True
     assert_close_to_reference(out, lse, q, k, v, vis)

@@ -86,12 +86,14 @@ def check_against_reference(out, lse, q, k, v, full, mask, seqused, block_size, 
     seqlen_q = q.shape[1]
     q_block = cdiv(seqlen_q, 128) * 128
     for b, used in enumerate(seqused):
-        visible = visibility_from_lists(full[b], mask[b] if mask else None, block_size, q_block, seqlen_q, used, HEADS, causal, device=q.device)
+        visible = visibility_from_lists(full[b], mask[b] if mask else None, block_size, q_block, seqlen_q, used, HEADS, causal,
+                                        device=q.device)
         assert_close_to_reference(out[b:b + 1], lse[b:b + 1], q[b:b + 1], k[b:b + 1, :used], v[b:b + 1, :used], visible)
 
 
 def assert_bitwise_equal(a, b, what):
-    assert torch.equal(a, b), f"{what}: paged differs from contiguous, max diff {(a.double() - b.double()).abs().nan_to_num(0).max().item():.3e}"
+    diff = (a.double() - b.double()).abs().nan_to_num(0).max().item()
+    assert torch.equal(a, b), f"{what}: paged differs from contiguous, max diff {diff:.3e}"
 
 
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])

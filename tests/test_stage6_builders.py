@@ -418,7 +418,8 @@ def assert_same_blocks(a: SparseBlocks, b: SparseBlocks):
             assert x.shape == y.shape and x.stride() == y.stride() and torch.equal(x, y), name
 
 
-@settings(FAST, suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])  # the fake module is the same for every input
+# The fake module is the same for every input.
+@settings(FAST, suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
 @given(block_lists(), st.booleans())
 def test_cute_round_trip_is_the_identity(fake_flash_attn_cute, case, varlen):
     full, mask, _ = case
@@ -591,7 +592,8 @@ def graph_cases(device):
          [scores, num_valid]),
         ("blocks_from_flex_block_mask", lambda: fas.blocks_from_flex_block_mask(flex_mask).tensors(),
          [flex_mask.kv_num_blocks, flex_mask.kv_indices, flex_mask.full_kv_num_blocks, flex_mask.full_kv_indices]),
-        ("flex_block_mask_from_blocks", lambda: list(fas.flex_block_mask_from_blocks(lists, 4 * 128, 16 * 64, causal=True).as_tuple()[2:10]),
+        ("flex_block_mask_from_blocks",
+         lambda: list(fas.flex_block_mask_from_blocks(lists, 4 * 128, 16 * 64, causal=True).as_tuple()[2:10]),
          [t for t in lists.tensors() if t is not None]),
         ("blocks_from_cute_block_sparse_tensors", lambda: fas.blocks_from_cute_block_sparse_tensors(cute_like).tensors(),
          [cute_like.mask_block_cnt, cute_like.mask_block_idx]),

@@ -96,7 +96,7 @@ def test_varlen_ragged_batch(block_size, causal, num_splits):
     if not causal:  # without the causal mask every listed block is simply visible
         lists = [([[f + mk for f, mk in zip(fh, mh)] for fh, mh in zip(full, mask)], [[[] for _ in fh] for fh in full])
                  for full, mask in lists]
-    blocks = pack_varlen_lists([l[0] for l in lists], [l[1] for l in lists], block_size, q_block_size, device="cuda")
+    blocks = pack_varlen_lists([pair[0] for pair in lists], [pair[1] for pair in lists], block_size, q_block_size, device="cuda")
     cu_q = torch.tensor([0] + list(torch.tensor([s[0] for s in seqlens]).cumsum(0)), dtype=torch.int32, device="cuda")
     cu_k = torch.tensor([0] + list(torch.tensor([s[1] for s in seqlens]).cumsum(0)), dtype=torch.int32, device="cuda")
     q = torch.cat([x[0][0] for x in per_seq])

@@ -8,8 +8,7 @@ import pytest
 import torch
 
 import flash_attn_sparse as fas
-from flash_attn_sparse import ops
-from flash_attn_sparse import SparseBlocks, SparseInputError
+from flash_attn_sparse import SparseBlocks, SparseInputError, ops
 from flash_attn_sparse.metadata import pack_varlen_lists
 
 pytestmark = pytest.mark.stage5

@@ -2,7 +2,6 @@
 blocks, the speculative + repair two-pass merged exactly through the (O, LSE) combine, and
 varlen block sparsity. Ships inside the patched flash_attn wheel; `reference` needs no GPU."""
 
-from .metadata import SparseBlocks, SparseInputError
 from .backends.cute import blocks_from_cute_block_sparse_tensors, to_cute_block_sparse_tensors
 from .builders import (
     blocks_from_flex_block_mask,
@@ -19,6 +18,7 @@ from .interface import (
     flash_attn_varlen_with_sparse_blocks,
     flash_attn_with_sparse_block_table,
 )
+from .metadata import SparseBlocks, SparseInputError
 from .speculative import flash_attn_speculative_sparse, flash_attn_speculative_sparse_zero_copy
 
 __all__ = [

@@ -167,7 +167,8 @@ def blocks_from_scores(scores: Tensor, k: int, block_size: int, q_block_size: Op
         try:
             valid_count = torch.broadcast_to(valid_count, (batch, heads, m_blocks))
         except RuntimeError:
-            fail("num_valid_blocks", f"shape {tuple(num_valid_blocks.shape)} does not broadcast to (batch, heads, m_blocks) = {(batch, heads, m_blocks)}")
+            fail("num_valid_blocks", f"shape {tuple(num_valid_blocks.shape)} does not broadcast to "
+                 f"(batch, heads, m_blocks) = {(batch, heads, m_blocks)}")
         valid_count = valid_count.long().clamp(0, n_blocks).unsqueeze(-1)
 
     valid = positions < valid_count

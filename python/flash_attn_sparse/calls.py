@@ -11,8 +11,7 @@ from torch import Tensor
 from . import ops
 from .backends import BACKENDS
 from .backends.device import MAX_SPLITS
-from .metadata import (BLOCK_SIZES, SparseBlocks, cdiv, exhaustive_validation_requested, fail, validate_block_contents,
-                       validate_blocks)
+from .metadata import BLOCK_SIZES, SparseBlocks, cdiv, exhaustive_validation_requested, fail, validate_block_contents, validate_blocks
 
 BlockTable = Union[Tensor, SparseBlocks]
 BACKEND_NAMES = ("auto",) + tuple(BACKENDS)
@@ -152,7 +151,8 @@ class SparseCall:
         else:
             batch, max_seqlen_q, max_seqlen_k = q.shape[0], q.shape[1], k.shape[1]
         if seqused_k is not None:
-            if not isinstance(seqused_k, Tensor) or seqused_k.dtype != torch.int32 or seqused_k.shape != (batch,) or seqused_k.device != q.device:
+            if (not isinstance(seqused_k, Tensor) or seqused_k.dtype != torch.int32 or seqused_k.shape != (batch,)
+                    or seqused_k.device != q.device):
                 fail("seqused_k", f"must be an int32 tensor of shape ({batch},) on the device of q")
         if not isinstance(causal, bool):
             fail("causal", f"must be a bool, got {causal!r}")

@@ -212,10 +212,7 @@ def install(session: Session, wheel: Path) -> bool:
     return True
 
 
-# The backend module moves from flash_attn_sparse.fa4 to flash_attn_sparse.backends.fa4 (issue 25).
-_FA4_MODULE = ("import importlib\nfor name in ('flash_attn_sparse.backends.fa4', 'flash_attn_sparse.fa4'):\n"
-               "    try:\n        f = importlib.import_module(name); break\n"
-               "    except ModuleNotFoundError: pass\n")
+_FA4_MODULE = "import flash_attn_sparse.backends.cute as f\n"
 FA4_AVAILABILITY = _FA4_MODULE + "print('FA-4 backend:', f.missing_runtime() or 'available')"
 FA4_IMPORT_CHECK = (_FA4_MODULE + "import quack, cutlass\n"
                     "print('quack', quack.__file__, 'cutlass', cutlass.__file__); f.import_cute('interface')")

@@ -7,12 +7,13 @@ define, with the kernels' skip / clamp semantics for bad entries, in the layout 
 """
 
 
-import flash_attn_sparse as fas
 import torch
+from torch import Tensor
+
+import flash_attn_sparse as fas
 from flash_attn_sparse import SparseBlocks
 from flash_attn_sparse.metadata import pack_varlen_lists
 from flash_attn_sparse.reference import attention_ref
-from torch import Tensor
 
 from .space import Config, cdiv
 

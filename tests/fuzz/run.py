@@ -9,8 +9,8 @@ patterns equal), refused (SparseInputError before any sparse kernel or output bu
 (a wrong answer, a violation accepted, a valid call refused by FA-2 or auto, a refusal after a
 launch, or auto choosing a backend that refuses), device fault, upstream exception (anything
 else escaping), unchecked (ran on input whose answer is undefined: memory safety only) or
-skipped (past the cap of FA-4 kernels to compile, --fa4-kernels). Prints the seed, per-backend counts, one reproducer line per failure and the wall
-time; exits 1 on any failure. --sanitizer-subset runs space.sanitizer_subset instead (bad ids,
+skipped (past the cap of FA-4 kernels to compile, --fa4-kernels). Prints the seed, per-backend counts, one reproducer line per failure
+and the wall time; exits 1 on any failure. --sanitizer-subset runs space.sanitizer_subset instead (bad ids,
 counts, page tables; varlen edges), unvalidated, for compute-sanitizer (tests/sanitize.py).
 """
 

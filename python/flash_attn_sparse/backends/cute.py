@@ -36,6 +36,7 @@ def import_cute(module: str):
         return importlib.import_module(f"flash_attn.cute.{module}")
     except ModuleNotFoundError:
         import pkgutil
+
         import flash_attn
         flash_attn.__path__ = pkgutil.extend_path(list(flash_attn.__path__), "flash_attn")
         return importlib.import_module(f"flash_attn.cute.{module}")

@@ -25,8 +25,8 @@ import torch
 from torch import Tensor
 
 from ..metadata import SparseBlocks, cdiv
-from .device import MAX_SPLITS, num_sms
 from .cute import block_sparse_tensors, import_cute, missing_runtime
+from .device import MAX_SPLITS, num_sms
 
 BLOCK_SIZES = (64, 128)
 VARLEN_Q_BLOCK_SIZES = (64, 128)
