@@ -40,11 +40,15 @@ def pytest_collection_modifyitems(config, items):
                 item.add_marker(pytest.mark.skip(reason=reason))
 
 
+# Modules that test FA-4 themselves (its results, or a rule over every backend).
+MODULES_THAT_ROUTE_TO_FA4 = {"test_stage4_fa4", "test_nan_propagation_gpu", "test_plan_gpu"}
+
+
 @pytest.fixture(autouse=True)
 def auto_stays_on_fa2(request, monkeypatch):
     """Outside the stage-4 tests backend="auto" takes FA-2, so that the tests of the FA-2 kernels
     test them on a machine with the FA-4 runtime too: there auto sends most fixed-length calls
     to FA-4 (test_stage4_fa4.py tests that routing and FA-4's results)."""
-    if request.module.__name__ != "test_stage4_fa4":
+    if request.module.__name__ not in MODULES_THAT_ROUTE_TO_FA4:
         from flash_attn_sparse.backends import fa4
         monkeypatch.setattr(fa4, "refusal", lambda *args, **kwargs: "FA-2 kept by tests/conftest.py")

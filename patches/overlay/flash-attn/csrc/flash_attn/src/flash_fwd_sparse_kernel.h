@@ -464,7 +464,8 @@ __forceinline__ __device__ void merge_splits_in_cluster(const Output &output, co
         float sum = lse_split == -INFINITY ? 0.f : expf(lse_split - max_shift);
         #pragma unroll
         for (int offset = 16; offset > 0; offset /= 2) { sum += __shfl_xor_sync(0xffffffff, sum, offset); }
-        const float lse = sum == 0.f || sum != sum ? -INFINITY : logf(sum) + max_shift;
+        // sum == 0: no rank saw a key; a NaN sum (a rank's LSE is NaN) stays NaN, as O does.
+        const float lse = sum == 0.f ? -INFINITY : logf(sum) + max_shift;
         const float scale = lse == -INFINITY || lse_split == -INFINITY ? 0.f : expf(lse_split - lse);
         float acc[kColsPerLane];
         #pragma unroll
@@ -817,6 +818,14 @@ inline __device__ void compute_attn_1rowblock_sparse(const Params &params, const
 
     // Epilogue. A row that saw no key (everything masked) gets LSE = -inf and O = 0.
     Tensor lse = softmax.template normalize_softmax_lse</*Is_dropout=*/false, /*Split (LSE of empty rows = -inf)=*/true>(acc_o, params.scale_softmax);
+    // Upstream gives a NaN row (NaN/Inf in q, k or v: row_sum is NaN) the empty row's LSE too;
+    // every merge below (key-split warps, cluster, combine) would then weigh its NaN O by 0 and
+    // write zeros. Its LSE is NaN instead, so NaN in means NaN out, as in the dense kernels.
+    // Once per row in the epilogue: the key loop is unchanged.
+    #pragma unroll
+    for (int mi = 0; mi < size(lse); ++mi) {
+        if (softmax.row_sum(mi) != softmax.row_sum(mi)) { lse(mi) = NAN; }
+    }
 
     Tensor caccO = make_identity_tensor(Shape<Int<kBlockM>, Int<kHeadDim>>{});    // (BLK_M,BLK_K) -> (blk_m,blk_k)
     Tensor taccOcO = thr_mma.partition_C(caccO);                           // (MMA,MMA_M,MMA_K)
@@ -845,10 +854,15 @@ inline __device__ void compute_attn_1rowblock_sparse(const Params &params, const
             float max_lse = -INFINITY;
             #pragma unroll
             for (int w = 0; w < kNWarps; ++w) { max_lse = fmaxf(max_lse, merge_lse[w * kBlockM + row]); }
+            // fmaxf skips a NaN LSE; the sum does not, so a NaN warp makes the merged LSE NaN.
+            const float max_shift = max_lse == -INFINITY ? 0.f : max_lse;
             float sum = 0.f;
             #pragma unroll
-            for (int w = 0; w < kNWarps; ++w) { sum += max_lse == -INFINITY ? 0.f : expf(merge_lse[w * kBlockM + row] - max_lse); }
-            const float merged = max_lse == -INFINITY ? -INFINITY : max_lse + logf(sum);
+            for (int w = 0; w < kNWarps; ++w) {
+                const float lse_w = merge_lse[w * kBlockM + row];
+                sum += lse_w == -INFINITY ? 0.f : expf(lse_w - max_shift);
+            }
+            const float merged = sum == 0.f ? -INFINITY : max_shift + logf(sum);
             const float scale = lse(mi) == -INFINITY ? 0.f : expf(lse(mi) - merged);
             #pragma unroll
             for (int ni = 0; ni < size<1>(acc_o_rowcol); ++ni) { acc_o_rowcol(mi, ni) *= scale; }

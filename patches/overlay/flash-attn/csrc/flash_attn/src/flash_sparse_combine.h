@@ -142,8 +142,9 @@ flash_sparse_combine_kernel(const __grid_constant__ Flash_fwd_params params) {
     #pragma unroll
     for (int s = 0; s < kSplitsPerThread; ++s) { sum += lse[s] == -INFINITY ? 0.f : expf(lse[s] - max_shift); }
     sum = row_reduce<kWarpsPerRow>(sum, s_reduce, warp_in_row, lane, [](float a, float b) { return a + b; });
-    // A row that no split saw: +inf here makes every scale 0; its LSE is written as -inf.
-    const float lse_final = (sum == 0.f || sum != sum) ? INFINITY : logf(sum) + max_shift;
+    // A row that no split saw: +inf here makes every scale 0; its LSE is written as -inf. A split
+    // with a NaN LSE (NaN in its inputs) makes the sum, every scale and so O and LSE NaN.
+    const float lse_final = sum == 0.f ? INFINITY : logf(sum) + max_shift;
     #pragma unroll
     for (int s = 0; s < kSplitsPerThread; ++s) {
         const int split = thread_in_row + s * kThreadsPerRow;
