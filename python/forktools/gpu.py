@@ -25,6 +25,7 @@ from pathlib import Path
 from forktools import gpu_steps
 
 CARRIED_WHEEL = ".carry/wheel/dist-wheel.tar"
+CARRIED_FA3_WHEEL = ".carry/wheel/dist-fa3-wheel.tar"  # flash_attn_3, reused like the flash-attn one
 BUILD_TIME = re.compile(r"in (\d+) s")
 
 
@@ -57,7 +58,7 @@ class Session:
         self.notes.append(text)
 
     def run(self, command: list, output: Path | None = None, append: bool = False, timeout: int | None = None,
-            env: dict | None = None, stderr: Path | None = None) -> int:
+            env: dict | None = None, stderr: Path | None = None, cwd: Path | None = None) -> int:
         """Run `command` from the repo root in the session's environment (plus `env`), its stdout
         (and stderr, unless `stderr` names a file) into `output`; 124 when it passed `timeout` s."""
         words = [str(word) for word in command]
@@ -70,7 +71,7 @@ class Session:
         mode = "a" if append else "w"
         with open(output, mode) if output else _Inherit() as out, open(stderr, "a") if stderr else _Inherit() as err:
             try:
-                rc = subprocess.run(words, cwd=self.root, env=full_env, timeout=timeout, stdout=out,
+                rc = subprocess.run(words, cwd=cwd or self.root, env=full_env, timeout=timeout, stdout=out,
                                     stderr=err if stderr else (subprocess.STDOUT if output else None)).returncode
             except subprocess.TimeoutExpired:
                 rc = 124
@@ -163,12 +164,14 @@ def prepare_wheel(session: Session) -> Path | None:
         session.env["PYTHONPATH"] = str(session.root / "python")
         session.note(f"wheel reused: {wheel.name} (no build); flash-attn-4 wheel built here; python/ first on the path")
         return wheel
-    carried = session.root / CARRIED_WHEEL
-    if carried.exists():
-        session.act(f"extract {CARRIED_WHEEL} into dist/", _extract, carried, session.root / "dist")
+    for carried_tar in (CARRIED_WHEEL, CARRIED_FA3_WHEEL):
+        carried = session.root / carried_tar
+        if carried.exists():
+            session.act(f"extract {carried_tar} into dist/", _extract, carried, session.root / "dist")
     start = time.monotonic()
     build_log = session.logs / "build.log"
-    rc = session.forktools("build", "--profile", "dev", "--jobs", str(os.cpu_count() or 1), "--reuse", output=build_log)
+    rc = session.forktools("build", "--profile", "dev", "--jobs", str(os.cpu_count() or 1), "--reuse",
+                           *(["--no-fa3"] if options.no_fa3 else []), output=build_log)
     session.act("copy build/logs/build-dev.log to logs/build-full.log", _copy_if_there,
                 session.root / "build/logs/build-dev.log", session.logs / "build-full.log")
     wheel = session.newest("flash_attn-*.whl", exclude="mutant")
@@ -198,6 +201,12 @@ def install(session: Session, wheel: Path) -> bool:
     session.env["PYTHONPATH"] = os.pathsep.join(p for p in paths if p)
     session.env.update(FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED="1", FLASH_ATTENTION_CUTE_DSL_CACHE_DIR="/tmp/cutedsl-cache")
     session.fa4_wheel = session.newest("flash_attn_4-*.whl")
+    fa3_wheel = session.newest("flash_attn_3-*.whl")
+    if fa3_wheel and not session.options.no_fa3:
+        rc = session.pip_install(fa3_wheel, site)
+        session.note(f"flash_attn_3: {fa3_wheel.name}" if rc == 0 else "flash_attn_3 install: FAILED")
+        session.act(f"tar {fa3_wheel.name} into dist-fa3-wheel.tar", gpu_steps.tar_one, fa3_wheel,
+                    session.out / "dist-fa3-wheel.tar")
     if session.cutedsl_site:
         rc = session.lay_fa4_wheel(session.fa4_wheel)
         wheel_name = session.fa4_wheel.name if session.fa4_wheel else "none in dist/, the runtime's own"
@@ -299,6 +308,9 @@ def add_parser(commands) -> None:
     command.add_argument("--variant-tests", default="all", metavar="NAMES",
                          help="variants whose GPU tests run: all, none, or names")
     command.add_argument("--ncu-targets", default="B8_Sq1 B1_Sq1", help="ncu-dense's shapes")
+    command.add_argument("--no-fa3", action="store_true", help="build and install without the FA-3 (flash_attn_3) wheel")
+    command.add_argument("--upstream-fa3-k", default="test_flash_attn_output and not paged",
+                         help="upstream-fa3 step: pytest -k over hopper/test_flash_attn.py")
     command.add_argument("--fuzz-seed", type=int, default=0)
     command.add_argument("--fuzz-budget-s", type=int, default=300)
     command.set_defaults(run=_command)

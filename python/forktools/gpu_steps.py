@@ -4,6 +4,7 @@ one line the summary table shows. STEPS maps a step's name to its help line and 
 from __future__ import annotations
 
 import gzip
+import os
 import re
 import shlex
 import shutil
@@ -265,6 +266,36 @@ def upstream_fa2(session) -> str:
     return f"upstream FA-2 tests: {_last_line(session, log)}"
 
 
+def fa3(session) -> str:
+    return run_pytest(session, "fa3", "tests/test_stage4_fa3_sparse.py")
+
+
+def upstream_fa3(session) -> str:
+    """Upstream FA-3's hopper/test_flash_attn.py (of the patched tree) on the installed flash_attn_3,
+    narrowed by -k and by forktools.fa3_tests' deselection of what the dev profile leaves out."""
+    from forktools import build_fa3
+    log = session.logs / "upstream-fa3.log"
+    hopper = session.root / "build" / "wheel" / build_fa3.UPSTREAM / "hopper"
+    python_path = os.pathsep.join([str(session.root / "python"), session.env.get("PYTHONPATH", "")])
+    session.run([PY, "-m", "pytest", "-p", "forktools.fa3_tests", "-q", "-rfE", "-x", "test_flash_attn.py",
+                 "-k", session.options.upstream_fa3_k], output=log, timeout=session.options.pytest_timeout,
+                env={**build_fa3.PROFILES["dev"], "PYTHONPATH": python_path}, cwd=hopper)
+    return f"upstream FA-3 tests: {_last_line(session, log)}"
+
+
+def distributed(session) -> str:
+    return run_pytest(session, "distributed", "tests/test_distributed_gpu.py")
+
+
+def client_bench(session) -> str:
+    log = session.logs / "client-bench.log"
+    session.run([PY, "examples/transformers_quest.py", "--bench", "--context", "32768", "--density", "0.125"],
+                output=log, timeout=400)
+    table = session.out / "client-bench.md"
+    session.act("copy the markdown table", shutil.copyfile, log, table)
+    return f"client bench: {_last_line(session, log)}"
+
+
 def examples(session) -> str:
     results = []
     for example in sorted((session.root / "examples").glob("*.py")):
@@ -309,4 +340,8 @@ STEPS = {
     "fuzz": ("tests/fuzz/run.py --seed --fuzz-seed --budget-s --fuzz-budget-s", fuzz),
     "upstream-fa2": ("upstream FA-2's tests on this wheel (tests/upstream/run_upstream.py)", upstream_fa2),
     "example": ("every examples/*.py, each must exit 0", examples),
+    "fa3": ("the FA-3 sparse kernel's tests (tests/test_stage4_fa3_sparse.py)", fa3),
+    "upstream-fa3": ("upstream FA-3 hopper/test_flash_attn.py forward tests on flash_attn_3 (--upstream-fa3-k)", upstream_fa3),
+    "distributed": ("the context-parallel tests on one GPU (tests/test_distributed_gpu.py)", distributed),
+    "client-bench": ("examples/transformers_quest.py --bench at 32k, 1/8: tokens/s eager and graphed vs dense SDPA", client_bench),
 }
