@@ -395,3 +395,37 @@ def test_every_block_listed_matches_dense():
     out, lse, scale = run_sparse(q, k, v, full_cnt, full_idx, q_block_size=128)
     ref_out, ref_lse = reference_batched(q, k, v, full_cnt, full_idx, None, None, 128, False, scale)
     assert_close(out, lse, ref_out, ref_lse)
+
+
+# ----------------------------------------------------------------------------------------------
+# The Python wrapper flash_attn_sparse.fa3_ops
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_wrapper_matches_the_reference_and_refuses_what_the_host_refuses(causal):
+    """fa3_ops.sparse_fwd (keyword call, default scale, SparseBlocks) against the fp32 reference
+    with the FA-2 LSE layout; refusal() is None for it and names block_size, head dim and paged."""
+    from flash_attn_sparse import SparseBlocks, fa3_ops
+
+    assert fa3_ops.missing_build() is None
+    batch, heads, heads_k, seqlen_q, seqlen_k, head_dim, q_block = 2, 4, 2, 256, 700, 128, 128
+    rng = random.Random(77 + causal)
+    q, k, v = make_qkv(batch, seqlen_q, seqlen_k, heads, heads_k, head_dim, torch.bfloat16, seed=rng.randrange(1 << 30))
+    n_blocks = math.ceil(seqlen_k / BLOCK)
+    rows = [[[gapped_permuted(rng, n_blocks, 0.6, must=[n_blocks - 1]) for _ in range(2)] for _ in range(heads_k)]
+            for _ in range(batch)]
+    full_cnt, full_idx = pack_rows(rows)
+    blocks = SparseBlocks(full_cnt, full_idx, block_size=BLOCK, q_block_size=q_block)
+    assert fa3_ops.refusal(q, k, blocks, varlen=False) is None
+    poison_allocator((q.shape, q.dtype), ((batch * seqlen_q * heads,), torch.float32))
+    out, lse = fa3_ops.sparse_fwd(q, k, v, blocks, causal=causal, num_splits=1)
+    torch.cuda.synchronize()
+    assert lse.shape == (batch, heads, seqlen_q)
+    ref_out, ref_lse = reference_batched(q, k, v, full_cnt, full_idx, None, None, q_block, causal, head_dim ** -0.5)
+    assert_close(out, lse, ref_out, ref_lse)
+    assert "block_size" in fa3_ops.refusal(q, k, SparseBlocks(full_cnt, full_idx, block_size=64, q_block_size=q_block),
+                                           varlen=False)
+    assert "head dims" in fa3_ops.refusal(q[..., :96], k[..., :96], blocks, varlen=False)
+    assert "paged" in fa3_ops.refusal(q, k, blocks, varlen=False, paged=True)
+    assert "q_block_size" in fa3_ops.refusal(q, k, SparseBlocks(full_cnt, full_idx, block_size=BLOCK, q_block_size=96),
+                                             varlen=False)
