@@ -14,6 +14,9 @@ import random
 import pytest
 import torch
 
+from flash_attn_sparse.reference import visibility_from_lists
+from helpers import assert_close_to_reference, batched_rows, poison_allocator, random_qkv
+
 BLOCK = 128
 
 
@@ -39,10 +42,8 @@ pytestmark = [pytest.mark.gpu, pytest.mark.sm90, pytest.mark.stage4,
 
 
 def make_qkv(batch, seqlen_q, seqlen_k, heads, heads_k, head_dim, dtype, seed):
-    gen = torch.Generator(device="cuda").manual_seed(seed)
-    q = torch.randn(batch, seqlen_q, heads, head_dim, device="cuda", dtype=dtype, generator=gen)
-    k = torch.randn(batch, seqlen_k, heads_k, head_dim, device="cuda", dtype=dtype, generator=gen)
-    v = torch.randn(batch, seqlen_k, heads_k, head_dim, device="cuda", dtype=dtype, generator=gen)
+    q, k, v = random_qkv(batch, seqlen_q, seqlen_k, heads, heads_k, head_dim, dtype,
+                         generator=torch.Generator(device="cuda").manual_seed(seed))
     # Distinct V per block: reading the wrong block's V shifts the output by whole units.
     block_of_key = torch.arange(seqlen_k, device="cuda") // BLOCK
     v = (v.float() + 0.75 * (block_of_key % 5 - 2).view(1, -1, 1, 1)).to(dtype)
@@ -105,70 +106,28 @@ def causal_split_rows(rng, batch, table_heads, m_blocks, q_block, seqlen_q, seql
 
 
 # ----------------------------------------------------------------------------------------------
-# Reference: fp32 attention over exactly the listed keys
+# Reference: the project's (flash_attn_sparse.reference) over exactly the ids the kernel visits
 
 
-def row_blocks(cnt, idx, b, h, m, capacity):
-    count = max(0, min(int(cnt[b, h, m]), capacity))
-    return [int(x) for x in idx[b, h, m, :count]]
+def visited_rows(cnt, idx, n_blocks):
+    """rows[b][h][m]: the ids the kernel visits: the count clamped to [0, capacity], ids outside
+    [0, n_blocks) skipped."""
+    rows = batched_rows(cnt.clamp(0, idx.shape[-1]), idx)
+    return [[[[i for i in row if 0 <= i < n_blocks] for row in per_h] for per_h in per_b] for per_b in rows]
 
 
-def visible_keys(full_ids, mask_ids, rows, seqlen_q, seqlen_k, causal):
-    """Boolean (len(rows), seqlen_k): which keys each query row attends to."""
-    allowed = torch.zeros(len(rows), seqlen_k, dtype=torch.bool)
-    n_blocks = math.ceil(seqlen_k / BLOCK)
-    row_pos = torch.tensor(rows).view(-1, 1)
-    for ids, is_mask in ((full_ids, False), (mask_ids, True)):
-        for blk in ids:
-            if blk < 0 or blk >= n_blocks:
-                continue  # skipped by the kernel
-            keys = torch.arange(blk * BLOCK, min((blk + 1) * BLOCK, seqlen_k)).view(1, -1)
-            ok = torch.ones(len(rows), keys.shape[1], dtype=torch.bool)
-            if is_mask and causal:
-                ok = keys <= row_pos + seqlen_k - seqlen_q
-            allowed[:, keys.view(-1)] |= ok
-    return allowed
-
-
-def attend(q, k, v, allowed, scale):
-    """q (S, D), k/v (Sk, D) fp32 on the GPU, allowed (S, Sk) -> (O (S, D), LSE (S,))."""
-    scores = (q @ k.T) * scale
-    scores = scores.masked_fill(~allowed.to(scores.device), float("-inf"))
-    lse = torch.logsumexp(scores, dim=-1)
-    probs = torch.where(torch.isinf(lse).unsqueeze(-1), torch.zeros_like(scores), torch.exp(scores - lse.unsqueeze(-1)))
-    return probs @ v, lse
-
-
-def reference_batched(q, k, v, full_cnt, full_idx, mask_cnt, mask_idx, q_block, causal, scale):
+def check_batched(out, lse, q, k, v, full_cnt, full_idx, mask_cnt, mask_idx, q_block, causal, scale):
+    """out (b, s, h, d) and LSE (b, h, s) against the fp32 reference (tests/helpers.py tolerance:
+    twice the error of the same computation in the input dtype; -inf LSE exactly where nothing is
+    visible)."""
     batch, seqlen_q, heads, _ = q.shape
-    seqlen_k, heads_k = k.shape[1], k.shape[2]
-    table_heads = full_cnt.shape[1]
-    fc, fi = full_cnt.cpu(), full_idx.cpu()
-    mc = mask_cnt.cpu() if mask_cnt is not None else None
-    mi = mask_idx.cpu() if mask_idx is not None else None
-    capacity = full_idx.shape[-1]
-    out = torch.zeros(batch, seqlen_q, heads, q.shape[-1], device=q.device)
-    lse = torch.empty(batch, heads, seqlen_q, device=q.device)
-    for b in range(batch):
-        for h in range(heads):
-            th = h if table_heads == heads else (h // (heads // heads_k) if table_heads == heads_k else 0)
-            allowed = torch.zeros(seqlen_q, seqlen_k, dtype=torch.bool)
-            for m in range(math.ceil(seqlen_q / q_block)):
-                rows = list(range(m * q_block, min((m + 1) * q_block, seqlen_q)))
-                full_ids = row_blocks(fc, fi, b, th, m, capacity)
-                mask_ids = row_blocks(mc, mi, b, th, m, capacity) if mc is not None else []
-                allowed[rows[0]:rows[-1] + 1] = visible_keys(full_ids, mask_ids, rows, seqlen_q, seqlen_k, causal)
-            kh = h // (heads // heads_k)
-            o, l = attend(q[b, :, h].float(), k[b, :, kh].float(), v[b, :, kh].float(), allowed, scale)
-            out[b, :, h], lse[b, h] = o, l
-    return out, lse
-
-
-def poison_allocator(*shapes_dtypes):
-    """Fill freed allocator blocks of the outputs' sizes with NaN, so that rows the kernel fails
-    to write show up."""
-    for shape, dtype in shapes_dtypes:
-        torch.full(shape, float("nan"), device="cuda", dtype=dtype)
+    seqlen_k = k.shape[1]
+    n_blocks = math.ceil(seqlen_k / BLOCK)
+    full = visited_rows(full_cnt, full_idx, n_blocks)
+    mask = visited_rows(mask_cnt, mask_idx, n_blocks) if mask_cnt is not None else [None] * batch
+    visible = torch.stack([visibility_from_lists(full[b], mask[b], BLOCK, q_block, seqlen_q, seqlen_k, heads, causal,
+                                                 device=q.device) for b in range(batch)])
+    assert_close_to_reference(out, lse, q, k, v, visible, scale)
 
 
 def run_sparse(q, k, v, full_cnt, full_idx, mask_cnt=None, mask_idx=None, *, q_block_size, causal=False,
@@ -183,15 +142,6 @@ def run_sparse(q, k, v, full_cnt, full_idx, mask_cnt=None, mask_idx=None, *, q_b
                           num_splits=num_splits, pack_gqa=pack_gqa)
     torch.cuda.synchronize()
     return out, lse, scale
-
-
-def assert_close(out, lse, ref_out, ref_lse):
-    assert not torch.isnan(out).any(), "NaN in the output (unwritten rows?)"
-    torch.testing.assert_close(out.float(), ref_out, atol=2e-2, rtol=2e-2)
-    finite = torch.isfinite(ref_lse)
-    assert torch.equal(torch.isfinite(lse), finite), "LSE must be -inf exactly where nothing is listed"
-    assert (lse[~finite] == float("-inf")).all()
-    torch.testing.assert_close(lse[finite], ref_lse[finite], atol=2e-3, rtol=2e-3)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -213,8 +163,7 @@ def test_permuted_gapped_lists(dtype, head_dim, table, pack_gqa):
               for m in range(m_blocks)] for h in range(table_heads)] for b in range(batch)]
     full_cnt, full_idx = pack_rows(rows)
     out, lse, scale = run_sparse(q, k, v, full_cnt, full_idx, q_block_size=q_block, pack_gqa=pack_gqa)
-    ref_out, ref_lse = reference_batched(q, k, v, full_cnt, full_idx, None, None, q_block, False, scale)
-    assert_close(out, lse, ref_out, ref_lse)
+    check_batched(out, lse, q, k, v, full_cnt, full_idx, None, None, q_block, False, scale)
 
 
 @pytest.mark.parametrize("head_dim", [64, 128])
@@ -232,8 +181,7 @@ def test_causal_mask_blocks(head_dim, seqlens, table):
     full_cnt, full_idx = pack_rows(full, width)
     mask_cnt, mask_idx = pack_rows(mask, width)
     out, lse, scale = run_sparse(q, k, v, full_cnt, full_idx, mask_cnt, mask_idx, q_block_size=q_block, causal=True)
-    ref_out, ref_lse = reference_batched(q, k, v, full_cnt, full_idx, mask_cnt, mask_idx, q_block, True, scale)
-    assert_close(out, lse, ref_out, ref_lse)
+    check_batched(out, lse, q, k, v, full_cnt, full_idx, mask_cnt, mask_idx, q_block, True, scale)
 
 
 @pytest.mark.parametrize("num_splits", [2, 3, 7, 40])
@@ -250,8 +198,7 @@ def test_forced_splits(num_splits, table):
     rows[0][0][0] = []  # one empty row among split ones
     full_cnt, full_idx = pack_rows(rows)
     out, lse, scale = run_sparse(q, k, v, full_cnt, full_idx, q_block_size=q_block, num_splits=num_splits)
-    ref_out, ref_lse = reference_batched(q, k, v, full_cnt, full_idx, None, None, q_block, False, scale)
-    assert_close(out, lse, ref_out, ref_lse)
+    check_batched(out, lse, q, k, v, full_cnt, full_idx, None, None, q_block, False, scale)
 
 
 @pytest.mark.parametrize("num_splits", [1, 3])
@@ -265,8 +212,7 @@ def test_empty_lists(num_splits):
     rows[0] = [[[] for _ in range(2)] for _ in range(heads)]  # a whole batch with nothing listed
     full_cnt, full_idx = pack_rows(rows)
     out, lse, scale = run_sparse(q, k, v, full_cnt, full_idx, q_block_size=q_block, num_splits=num_splits)
-    ref_out, ref_lse = reference_batched(q, k, v, full_cnt, full_idx, None, None, q_block, False, scale)
-    assert_close(out, lse, ref_out, ref_lse)
+    check_batched(out, lse, q, k, v, full_cnt, full_idx, None, None, q_block, False, scale)
     assert (out[0] == 0).all() and (lse[0] == float("-inf")).all()
 
 
@@ -282,8 +228,7 @@ def test_query_tiles_and_pack_gqa(q_block_size, heads, heads_k, table):
     rows = [[[gapped_permuted(rng, n_blocks, 0.5) for _ in range(m_blocks)] for _ in range(table_heads)]]
     full_cnt, full_idx = pack_rows(rows)
     out, lse, scale = run_sparse(q, k, v, full_cnt, full_idx, q_block_size=q_block_size)
-    ref_out, ref_lse = reference_batched(q, k, v, full_cnt, full_idx, None, None, q_block_size, False, scale)
-    assert_close(out, lse, ref_out, ref_lse)
+    check_batched(out, lse, q, k, v, full_cnt, full_idx, None, None, q_block_size, False, scale)
 
 
 @pytest.mark.parametrize("num_splits", [1, 3])
@@ -310,8 +255,7 @@ def test_bad_ids_and_counts(num_splits):
     mask_cnt[1, 0, 0] = 10 ** 6
     mask_cnt[0, 1, 1] = 2
     out, lse, scale = run_sparse(q, k, v, full_cnt, full_idx, mask_cnt, mask_idx, q_block_size=q_block, num_splits=num_splits)
-    ref_out, ref_lse = reference_batched(q, k, v, full_cnt, full_idx, mask_cnt, mask_idx, q_block, False, scale)
-    assert_close(out, lse, ref_out, ref_lse)
+    check_batched(out, lse, q, k, v, full_cnt, full_idx, mask_cnt, mask_idx, q_block, False, scale)
 
 
 def varlen_inputs(seqlens_q, seqlens_k, heads, heads_k, head_dim, table_heads, q_block, rng, causal):
@@ -377,24 +321,22 @@ def test_varlen_ragged_and_empty(causal, table, num_splits):
         if sq:
             f_cnt, f_idx = pack_rows([full], width)
             m_cnt, m_idx = pack_rows([mask], width)
-            ref_out, ref_lse = reference_batched(
-                q[q_start:q_start + sq].unsqueeze(0), k[k_start:k_start + sk].unsqueeze(0), v[k_start:k_start + sk].unsqueeze(0),
-                f_cnt, f_idx, m_cnt, m_idx, q_block, causal, scale)
-            assert_close(out[q_start:q_start + sq].unsqueeze(0), lse[:, q_start:q_start + sq].unsqueeze(0), ref_out, ref_lse)
+            check_batched(out[q_start:q_start + sq].unsqueeze(0), lse[:, q_start:q_start + sq].unsqueeze(0),
+                          q[q_start:q_start + sq].unsqueeze(0), k[k_start:k_start + sk].unsqueeze(0),
+                          v[k_start:k_start + sk].unsqueeze(0), f_cnt, f_idx, m_cnt, m_idx, q_block, causal, scale)
         q_start += sq
         k_start += sk
 
 
 def test_every_block_listed_matches_dense():
-    """All blocks listed, ascending: the dense FA-3 op over the same K/V agrees."""
+    """All blocks listed, ascending: dense attention (every key visible)."""
     batch, heads, heads_k, seqlen_q, seqlen_k = 2, 8, 2, 512, 1000
     q, k, v = make_qkv(batch, seqlen_q, seqlen_k, heads, heads_k, 128, torch.bfloat16, seed=21)
     n_blocks = math.ceil(seqlen_k / BLOCK)
     rows = [[[list(range(n_blocks)) for _ in range(4)]] for _ in range(batch)]
     full_cnt, full_idx = pack_rows(rows)
     out, lse, scale = run_sparse(q, k, v, full_cnt, full_idx, q_block_size=128)
-    ref_out, ref_lse = reference_batched(q, k, v, full_cnt, full_idx, None, None, 128, False, scale)
-    assert_close(out, lse, ref_out, ref_lse)
+    check_batched(out, lse, q, k, v, full_cnt, full_idx, None, None, 128, False, scale)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -421,8 +363,7 @@ def test_wrapper_matches_the_reference_and_refuses_what_the_host_refuses(causal)
     out, lse = fa3_ops.sparse_fwd(q, k, v, blocks, causal=causal, num_splits=1)
     torch.cuda.synchronize()
     assert lse.shape == (batch, heads, seqlen_q)
-    ref_out, ref_lse = reference_batched(q, k, v, full_cnt, full_idx, None, None, q_block, causal, head_dim ** -0.5)
-    assert_close(out, lse, ref_out, ref_lse)
+    check_batched(out, lse, q, k, v, full_cnt, full_idx, None, None, q_block, causal, head_dim ** -0.5)
     assert "block_size" in fa3_ops.refusal(q, k, SparseBlocks(full_cnt, full_idx, block_size=64, q_block_size=q_block),
                                            varlen=False)
     assert "head dims" in fa3_ops.refusal(q[..., :96], k[..., :96], blocks, varlen=False)
