@@ -25,7 +25,7 @@ REPO = Path(__file__).resolve().parents[1]
 # python/flash_attn_sparse for the other test modules (see conftest.py).
 sys.path.append(str(REPO / "python"))
 
-from forktools import ToolError, patchfile, series, stages, upstream, variant  # noqa: E402
+from forktools import ToolError, build_fa3, patchfile, series, stages, upstream, variant  # noqa: E402
 from forktools.__main__ import main  # noqa: E402
 from forktools.layout import Layout  # noqa: E402
 from forktools.patchfile import PatchError  # noqa: E402
@@ -235,10 +235,11 @@ def test_real_flash_attn_sdist_unpacks_and_its_version_is_checked(tmp_path: Path
 @pytest.mark.parametrize("mutation", sorted((REPO / "tests" / "mutations").glob("*.patch")), ids=lambda p: p.name)
 def test_mutations_apply_to_the_patched_tree(mutation: Path, tmp_path: Path):
     """A mutation whose context drifted from the kernel would fail the GPU session's mutant build;
-    here it fails on CPU first."""
+    here it fails on CPU first. A hopper/ one goes to the FA-3 tree, as build --mutation lays it."""
     layout = Layout.at(REPO).with_trees(tmp_path / "trees")  # its cache holds REAL_SDIST
-    tree = tmp_path / "flash-attn"
-    series.materialize(layout, "flash-attn", tree)
+    name = build_fa3.UPSTREAM if build_fa3.is_mutation_of_fa3(mutation) else "flash-attn"
+    tree = tmp_path / name
+    series.materialize(layout, name, tree)
     patchfile.apply_diff(patchfile.split_description(mutation.read_bytes()), tree, str(mutation))
 
 

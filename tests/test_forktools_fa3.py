@@ -6,6 +6,7 @@ import io
 import re
 import shutil
 import subprocess
+import sys
 import tarfile
 from pathlib import Path
 
@@ -68,17 +69,33 @@ def test_mirror_archive_verified_and_mismatches_refused(tmp_path):
 
 
 @pytest.mark.skipif(not (ROOT / "build" / "trees" / "flash-attn-3").exists(), reason="run `nox -s apply` first")
-def test_dev_kernels_are_what_the_patched_setup_compiles():
-    """The source list of hopper/setup.py (patch flash-attn-3/0001) under the dev variables, by
-    running its list-building lines: 12 kernel units plus flash_api, combine and scheduler."""
-    text = (ROOT / "build" / "trees" / "flash-attn-3" / "hopper" / "setup.py").read_text()
+def test_dev_kernels_are_what_the_patched_setup_compiles(tmp_path, monkeypatch):
+    """The source list of hopper/setup.py (patches flash-attn-3/0001, 0003) under the dev
+    variables, by running its list-building lines: 12 dense kernel units, the 16 sparse units it
+    writes from generate_kernels_sparse.py (here into tmp_path), flash_api and flash_api_sparse,
+    combine and scheduler."""
+    hopper = ROOT / "build" / "trees" / "flash-attn-3" / "hopper"
+    text = (hopper / "setup.py").read_text()
     flags = "".join(line + "\n" for line in text.splitlines() if re.match(r"(DISABLE_\w+|USE_SYSTEM_NVCC) = ", line))
     body = text[text.index("    DTYPE_FWD_SM80"):text.index("    nvcc_flags = [")]
     environ = {f"FLASH_ATTENTION_DISABLE_{flag}": "TRUE" for flag in build_fa3.DEV_OFF}
-    scope = {"os": type("os", (), {"getenv": staticmethod(lambda k, d=None: environ.get(k, d))})}
+    shutil.copy(hopper / "generate_kernels_sparse.py", tmp_path)
+    (tmp_path / "instantiations").mkdir()
+    monkeypatch.setattr("sys.path", list(sys.path))
+    monkeypatch.delitem(sys.modules, "generate_kernels_sparse", raising=False)
+    scope = {"os": type("os", (), {"getenv": staticmethod(lambda k, d=None: environ.get(k, d))}),
+             "sys": sys, "Path": Path, "this_dir": str(tmp_path)}
     exec("import itertools\n" + flags, scope)  # noqa: S102 -- runs setup.py's own list-building lines
     exec("import itertools\n" + "\n".join(line[4:] for line in body.splitlines()), scope)  # noqa: S102 -- runs setup.py's own list-building lines
     kernels = sorted(Path(s).name for s in scope["sources"] if s.startswith("instantiations/"))
-    assert kernels == sorted(build_fa3.DEV_KERNELS)
+    assert kernels == sorted(build_fa3.DEV_KERNELS + build_fa3.DEV_SPARSE_KERNELS)
+    assert len(kernels) == 28
+    assert sorted(p.name for p in (tmp_path / "instantiations").iterdir()) == sorted(build_fa3.DEV_SPARSE_KERNELS)
     assert set(scope["sources"]) - {f"instantiations/{k}" for k in kernels} == {
-        "flash_api.cpp", "flash_fwd_combine.cu", "flash_prepare_scheduler.cu"}
+        "flash_api.cpp", "flash_api_sparse.cpp", "flash_fwd_combine.cu", "flash_prepare_scheduler.cu"}
+
+
+def test_fa3_mutation_goes_to_the_fa3_build_only():
+    """build --mutation sends a hopper/ diff to build_fa3 and a csrc/ one to the FA-2 build."""
+    assert build_fa3.is_mutation_of_fa3(ROOT / "tests" / "mutations" / "fa3-v-steps-densely.patch")
+    assert not build_fa3.is_mutation_of_fa3(ROOT / "tests" / "mutations" / "v-steps-densely.patch")

@@ -17,7 +17,7 @@ from forktools import gpu, gpu_steps  # noqa: E402
 from forktools.__main__ import main  # noqa: E402
 
 pytestmark = pytest.mark.tooling
-SHELL_STEPS = ["tests", "mutation", "sanitize", "reliability", "fa4", "bench", "fullbench", "crossover", "profile",
+SHELL_STEPS = ["tests", "mutation", "sanitize", "reliability", "fa4", "fa3", "fa3-mutation", "bench", "fullbench", "crossover", "profile",
                "profile-fa4", "sweep", "variants", "ncu-dense", "ncu-source", "ncu-spec", "fa4-prefill-check"]
 
 

@@ -57,16 +57,21 @@ def build(layout: Layout, profile: str = "dev", archs: list[str] | None = None,
     defect they plant (tests/mutations/); the version label ends in `.mutant`.
     install: pip-install the wheels (without dependencies) into the running Python afterwards.
     fa3: also build the FA-3 wheel of the same profile (forktools.build_fa3), in a second thread.
+    A mutation of hopper/ paths goes to that FA-3 build alone (FA-2 then builds unmutated); a
+    flash-attn mutation alone leaves FA-3 out.
     """
     if profile not in PROFILES:
         raise ToolError(f"unknown profile {profile!r}; choose one of {', '.join(PROFILES)}")
     archs = archs or PROFILES[profile]["archs"]
+    fa3_mutations = [m for m in mutations if build_fa3.is_mutation_of_fa3(m)]
+    mutations = [m for m in mutations if m not in fa3_mutations]
     label = f"sparse.{source_hash(layout, profile, archs, mutations)}.{profile}" + (".mutant" if mutations else "")
     dist = layout.root / "dist"
     fa4_wheel = wheel_fa4.build(layout)
     if install:
         install_wheel(fa4_wheel)
-    fa3_build = build_fa3.Background(layout, profile, jobs, reuse) if fa3 and not mutations else None
+    fa3_build = (build_fa3.Background(layout, profile, jobs, reuse, fa3_mutations)
+                 if fa3 and (fa3_mutations or not mutations) else None)
     if reuse:
         existing = sorted(dist.glob(f"flash_attn-*+{label}-*.whl"))
         if existing:

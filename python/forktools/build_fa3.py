@@ -13,7 +13,9 @@ the profile and archs, so `--reuse` finds a carried wheel of the same source.
 Profiles (the FLASH_ATTENTION_DISABLE_* variables of hopper/setup.py, patch flash-attn-3/0001):
 - dev: sm90a, forward only, head dims 64 and 128 with dv == d, fp16 and bf16, split-KV, PackGQA
   and varlen kept; no paged non-TMA K/V, softcap, local, append-KV, fp8, clusters, SM8x kernels.
-  That is DEV_KERNELS (12 units) + flash_api.cpp, flash_fwd_combine.cu, flash_prepare_scheduler.cu.
+  That is DEV_KERNELS (12 units) + flash_api.cpp, flash_fwd_combine.cu, flash_prepare_scheduler.cu,
+  and the sparse path (patches flash-attn-3/0002-0003): DEV_SPARSE_KERNELS (16 units, written by
+  setup.py from generate_kernels_sparse.py) + flash_api_sparse.cpp.
 - full: upstream's FA-3 matrix.
 """
 
@@ -25,7 +27,7 @@ import threading
 import time
 from pathlib import Path
 
-from forktools import ToolError
+from forktools import ToolError, patchfile
 from forktools.layout import Layout
 
 UPSTREAM = "flash-attn-3"
@@ -36,6 +38,8 @@ DEV_OFF = ["BACKWARD", "PAGEDKV", "APPENDKV", "LOCAL", "SOFTCAP", "FP8", "CLUSTE
            "HDIM96", "HDIM192", "HDIM256", "HDIMDIFF"]
 DEV_KERNELS = [f"flash_fwd_hdim{d}_{t}{kind}_sm90.cu"
                for d in (64, 128) for t in ("bf16", "fp16") for kind in ("", "_split", "_packgqa")]
+DEV_SPARSE_KERNELS = [f"flash_fwd_hdim{d}_{t}{packgqa}{split}_sparse_sm90.cu" for t in ("fp16", "bf16")
+                      for d in (64, 128) for packgqa in ("", "_packgqa") for split in ("", "_split")]
 PROFILES = {"dev": {f"FLASH_ATTENTION_DISABLE_{flag}": "TRUE" for flag in DEV_OFF}, "full": {}}
 
 
@@ -45,19 +49,28 @@ def wheel_glob(label: str) -> str:
 
 def default_jobs(jobs: int | None) -> int:
     """Parallel units: the CPUs, but no more than the memory left beside FA-2 allows at ~6 GB a
-    unit (15 on the 16-core, 128 GB H200 machine: one wave for the 15 dev units)."""
+    unit (15 on the 16-core, 128 GB H200 machine: three waves for the 32 dev units)."""
     cpus = jobs or os.cpu_count() or 1
     memory_gib = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
     return max(1, min(cpus, int((memory_gib - GIB_FOR_FA2) // GIB_PER_JOB)))
 
 
-def build(layout: Layout, profile: str = "dev", jobs: int | None = None, reuse: bool = False) -> Path:
-    """Build (or, with reuse, find) the FA-3 wheel in dist/ and return it."""
+def is_mutation_of_fa3(mutation: Path) -> bool:
+    """Whether a tests/mutations/ diff changes FA-3's tree (its paths are upstream's hopper/...)."""
+    diff = patchfile.split_description(Path(mutation).read_bytes())
+    return all(file_diff.path.startswith("hopper/") for file_diff in patchfile.parse_diff(diff, str(mutation)))
+
+
+def build(layout: Layout, profile: str = "dev", jobs: int | None = None, reuse: bool = False,
+          mutations: list[Path] = ()) -> Path:
+    """Build (or, with reuse, find) the FA-3 wheel in dist/ and return it; mutations are diffs
+    laid on the patched tree (tests/mutations/fa3-*.patch), the label then ends in `.mutant`."""
     from forktools import build as fa2_build
 
     if profile not in PROFILES:
         raise ToolError(f"unknown FA-3 profile {profile!r}; choose one of {', '.join(PROFILES)}")
-    label = f"sparse.{fa2_build.source_hash(layout, profile, ['90a'], name=UPSTREAM)}.{profile}"
+    label = f"sparse.{fa2_build.source_hash(layout, profile, ['90a'], mutations, name=UPSTREAM)}.{profile}"
+    label += ".mutant" if mutations else ""
     dist = layout.root / "dist"
     existing = sorted(dist.glob(wheel_glob(label)))
     if reuse and existing:
@@ -65,6 +78,9 @@ def build(layout: Layout, profile: str = "dev", jobs: int | None = None, reuse: 
         return existing[-1]
     stage = layout.root / "build" / "wheel" / UPSTREAM
     fa2_build.relay_tree(layout, stage, name=UPSTREAM)
+    for mutation in mutations:
+        patchfile.apply_diff(patchfile.split_description(Path(mutation).read_bytes()), stage, str(mutation))
+        print(f"build fa3: applied mutation {mutation}", flush=True)
     env = {**os.environ, **PROFILES[profile],
            "FLASH_ATTENTION_FORCE_BUILD": "TRUE", "FLASH_ATTN_LOCAL_VERSION": label,
            "MAX_JOBS": str(default_jobs(jobs)), "NVCC_THREADS": os.environ.get("NVCC_THREADS", "1")}
@@ -90,10 +106,10 @@ def build(layout: Layout, profile: str = "dev", jobs: int | None = None, reuse: 
 class Background:
     """build() in a thread; result() waits and returns the wheel or raises its error."""
 
-    def __init__(self, layout: Layout, profile: str, jobs: int | None, reuse: bool):
+    def __init__(self, layout: Layout, profile: str, jobs: int | None, reuse: bool, mutations: list[Path] = ()):
         self._wheel: Path | None = None
         self._error: Exception | None = None
-        self._thread = threading.Thread(target=self._run, args=(layout, profile, jobs, reuse), daemon=True)
+        self._thread = threading.Thread(target=self._run, args=(layout, profile, jobs, reuse, mutations), daemon=True)
         self._thread.start()
 
     def _run(self, *args) -> None:

@@ -76,6 +76,40 @@ def mutation(session) -> str:
     return f"{result} ({'caught' if caught else 'NOT caught'}: these tests must fail)"
 
 
+FA3_TESTS = "tests/test_stage4_fa3_sparse.py"
+FA3_MUTATION = Path("tests/mutations/fa3-v-steps-densely.patch")
+
+
+def fa3_site(session, name: str, wheel: Path | None) -> dict | None:
+    """The flash_attn_3 wheel installed into its own folder, as a PYTHONPATH placing it first."""
+    site = session.scratch / f"site-{name}"
+    session.act(f"empty {site}", recreate, site)
+    if wheel is None or session.pip_install(wheel, site):
+        return None
+    return {"PYTHONPATH": os.pathsep.join(p for p in (str(site), session.env.get("PYTHONPATH")) if p)}
+
+
+def fa3(session) -> str:
+    env = fa3_site(session, "fa3", session.newest("flash_attn_3-*.whl", exclude="mutant"))
+    if env is None:
+        return "fa3 install: FAILED (no flash_attn_3 wheel in dist/?)"
+    return run_pytest(session, "fa3", FA3_TESTS, env=env)
+
+
+def fa3_mutation(session) -> str:
+    """build --mutation with a hopper/ diff rebuilds only the FA-3 wheel (label .mutant)."""
+    if session.forktools("build", "--profile", "dev", "--reuse", "--mutation", str(FA3_MUTATION),
+                         output=session.logs / "fa3-mutation-build.log"):
+        return "fa3 mutation build: FAILED"
+    env = fa3_site(session, "fa3-mutant", session.newest("flash_attn_3-*mutant*.whl"))
+    if env is None:
+        return "fa3 mutation install: FAILED"
+    result = run_pytest(session, "fa3-mutant", FA3_TESTS, "-k", "permuted or forced_splits or wrapper", env=env)
+    caught = session.last_rc == 1
+    session.worst_rc = 0 if caught else 1
+    return f"{result} ({'caught' if caught else 'NOT caught'}: these tests must fail)"
+
+
 def sanitize(session) -> str:
     log = session.logs / "sanitize.log"
     session.run([PY, "tests/sanitize.py"], output=log, timeout=300)
@@ -326,6 +360,8 @@ STEPS = {
     "sanitize": ("compute-sanitizer memcheck, racecheck, initcheck over the sparse kernels (tests/sanitize.py)", sanitize),
     "reliability": ("tests/test_reliability_gpu.py", reliability),
     "fa4": ("the stage-4 (FA-4 backend) tests", fa4),
+    "fa3": ("the FA-3 sparse SM90 forward's tests (tests/test_stage4_fa3_sparse.py) on the dev flash_attn_3 wheel", fa3),
+    "fa3-mutation": ("the FA-3 wheel rebuilt with V stepping densely: its permuted-list tests must fail", fa3_mutation),
     "bench": ("benchmarks/bench_sparse.py on --bench-shapes: bench.md, bench.json", bench),
     "fullbench": ("benchmarks/bench_sparse.py's whole matrix: bench.md, bench.json", fullbench),
     "crossover": ("FA-2 vs FA-4 vs auto as query rows grow: crossover.md, crossover.json", crossover),

@@ -1,0 +1,290 @@
+/******************************************************************************
+ * Host entry point of the sparse SM90 forward: flash_attn_3_sparse::fwd, attention of each
+ * (batch, table head, query tile) over the K/V blocks its lists name (the project's sparse
+ * contract, flash_attn_sparse/metadata.py), split-KV partials merged by flash_fwd_combine.
+ *
+ * The Python layer validates the lists' contents; here are the cheap checks (dtypes, shapes,
+ * strides) and the kernels stay memory safe on bad contents (sparse_block_list.h).
+ ******************************************************************************/
+
+#include <c10/cuda/CUDAStream.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <ATen/ATen.h>
+#include <torch/library.h>
+#include <cutlass/numeric_types.h>
+
+#include <cmath>
+#include <limits>
+
+#include "flash.h"
+
+// From flash_api.cpp.
+void set_params_fprop(Flash_fwd_params &params, const size_t b, const size_t seqlen_q, const size_t seqlen_k,
+                      const size_t seqlen_q_rounded, const size_t seqlen_k_rounded, const size_t h, const size_t h_k,
+                      const size_t d, const size_t d_rounded, const at::Tensor q, const at::Tensor k, const at::Tensor v,
+                      at::Tensor out, void *cu_seqlens_q_d, void *cu_seqlens_k_d, void *seqused_q, void *seqused_k,
+                      void *softmax_lse_d, float p_dropout, float softmax_scale, int window_size_left,
+                      int window_size_right, int attention_chunk, const float softcap, const int sm_margin);
+void run_mha_fwd_combine(Flash_fwd_params &params, cudaStream_t stream, bool enable_pdl);
+
+template <typename T, int kHeadDim, bool Split, bool PackGQA>
+void run_mha_fwd_sparse_(Flash_fwd_params &params, cudaStream_t stream);
+
+namespace {
+
+constexpr int kSparseMaxSplits = 128;
+
+void check_table(const c10::optional<at::Tensor> &t, const char *name, const at::Tensor &q, int64_t dim) {
+    if (!t.has_value()) { return; }
+    TORCH_CHECK(t->scalar_type() == at::kInt, name, " must be int32");
+    TORCH_CHECK(t->device() == q.device(), name, " must be on the device of q");
+    TORCH_CHECK(t->dim() == dim, name, " must have ", dim, " dimensions");
+    TORCH_CHECK(t->numel() == 0 || t->stride(-1) == 1, name, " must have a contiguous last dimension");
+}
+
+// The instantiations of the build (setup.py leaves out those its DISABLE flags remove).
+template <typename T, int kHeadDim>
+void run_sparse_of_type(Flash_fwd_params &params, cudaStream_t stream) {
+    if (params.num_splits > 1) {
+#ifndef FLASHATTENTION_DISABLE_SPLIT
+        if (params.pack_gqa) {
+#ifndef FLASHATTENTION_DISABLE_PACKGQA
+            return run_mha_fwd_sparse_<T, kHeadDim, true, true>(params, stream);
+#endif
+        } else {
+            return run_mha_fwd_sparse_<T, kHeadDim, true, false>(params, stream);
+        }
+#endif
+    } else if (params.pack_gqa) {
+#ifndef FLASHATTENTION_DISABLE_PACKGQA
+        return run_mha_fwd_sparse_<T, kHeadDim, false, true>(params, stream);
+#endif
+    } else {
+        return run_mha_fwd_sparse_<T, kHeadDim, false, false>(params, stream);
+    }
+    TORCH_CHECK(false, "this build has no sparse kernel for num_splits=", params.num_splits, ", pack_gqa=", params.pack_gqa);
+}
+
+template <typename T>
+void run_sparse_of_dim(Flash_fwd_params &params, cudaStream_t stream) {
+#ifndef FLASHATTENTION_DISABLE_HDIM64
+    if (params.d == 64) { return run_sparse_of_type<T, 64>(params, stream); }
+#endif
+#ifndef FLASHATTENTION_DISABLE_HDIM128
+    if (params.d == 128) { return run_sparse_of_type<T, 128>(params, stream); }
+#endif
+    TORCH_CHECK(false, "this build has no sparse kernel for head dim ", params.d);
+}
+
+void run_sparse(Flash_fwd_params &params, cudaStream_t stream) {
+    if (params.is_bf16) { return run_sparse_of_dim<cutlass::bfloat16_t>(params, stream); }
+#ifndef FLASHATTENTION_DISABLE_FP16
+    return run_sparse_of_dim<cutlass::half_t>(params, stream);
+#endif
+    TORCH_CHECK(false, "this build has no fp16 sparse kernels");
+}
+
+// Splits when the tiles leave SMs idle: at most one split per two list blocks of the longest
+// possible list (a bound from shapes, no host sync).
+int auto_num_splits(int num_tiles, int num_sm, int max_list_blocks) {
+    if (num_tiles >= num_sm) { return 1; }
+    int const by_sms = num_sm / std::max(num_tiles, 1);
+    return std::max(1, std::min({by_sms, max_list_blocks / 2, kSparseMaxSplits}));
+}
+
+}  // namespace
+
+std::tuple<at::Tensor, at::Tensor> mha_fwd_sparse(
+        at::Tensor q, at::Tensor k, at::Tensor v,
+        at::Tensor full_cnt, at::Tensor full_idx,
+        c10::optional<at::Tensor> mask_cnt, c10::optional<at::Tensor> mask_idx,
+        c10::optional<at::Tensor> cu_total_m_blocks, c10::optional<at::Tensor> cu_block_idx_offsets,
+        c10::optional<at::Tensor> cu_seqlens_q, c10::optional<at::Tensor> cu_seqlens_k,
+        c10::optional<int64_t> max_seqlen_q, c10::optional<int64_t> max_seqlen_k,
+        double softmax_scale, int64_t block_size, int64_t q_block_size, bool causal,
+        int64_t num_splits, c10::optional<bool> pack_gqa) {
+    auto const q_type = q.scalar_type();
+    TORCH_CHECK(q_type == at::kHalf || q_type == at::kBFloat16, "q must be fp16 or bf16");
+    TORCH_CHECK(k.scalar_type() == q_type && v.scalar_type() == q_type, "q, k and v must have one dtype");
+    TORCH_CHECK(q.is_cuda() && k.device() == q.device() && v.device() == q.device(), "q, k and v must be on one CUDA device");
+    TORCH_CHECK(q.stride(-1) == 1 && k.stride(-1) == 1 && v.stride(-1) == 1, "q, k and v must have a contiguous last dimension");
+    TORCH_CHECK(block_size == kSparseBlockSize, "block_size must be ", kSparseBlockSize, " on the FA-3 sparse path");
+    bool const varlen = cu_seqlens_q.has_value();
+    TORCH_CHECK(varlen == cu_seqlens_k.has_value(), "cu_seqlens_q and cu_seqlens_k go together");
+    TORCH_CHECK(varlen == cu_total_m_blocks.has_value() && varlen == cu_block_idx_offsets.has_value(),
+                "varlen inputs need the varlen list layout (cu_total_m_blocks, cu_block_idx_offsets) and batched ones the batched layout");
+    TORCH_CHECK(mask_cnt.has_value() == mask_idx.has_value(), "mask_cnt and mask_idx go together");
+    c10::cuda::CUDAGuard device_guard{q.device()};
+
+    int const batch_size = varlen ? cu_seqlens_q->size(0) - 1 : q.size(0);
+    int const seqlen_q = varlen ? int(max_seqlen_q.value_or(0)) : q.size(1);
+    int const seqlen_k = varlen ? int(max_seqlen_k.value_or(0)) : k.size(1);
+    TORCH_CHECK(!varlen || (max_seqlen_q.has_value() && max_seqlen_k.has_value()), "varlen needs max_seqlen_q and max_seqlen_k");
+    int const total_q = varlen ? q.size(0) : batch_size * seqlen_q;
+    int const total_k = varlen ? k.size(0) : batch_size * seqlen_k;
+    int const num_heads = q.size(-2), num_heads_k = k.size(-2), head_size = q.size(-1);
+    TORCH_CHECK(head_size == 64 || head_size == 128, "head dim must be 64 or 128, got ", head_size);
+    TORCH_CHECK(k.size(-1) == head_size && v.size(-1) == head_size, "k and v must have the head dim of q");
+    TORCH_CHECK(num_heads_k > 0 && num_heads % num_heads_k == 0, "num_heads must be a multiple of num_heads_k");
+    TORCH_CHECK(q.dim() == (varlen ? 3 : 4) && k.dim() == q.dim() && v.dim() == q.dim(), "q, k, v: (b, s, h, d), or (total, h, d) with cu_seqlens");
+    if (varlen) {
+        for (auto *t : {&*cu_seqlens_q, &*cu_seqlens_k, &*cu_total_m_blocks, &*cu_block_idx_offsets}) {
+            TORCH_CHECK(t->scalar_type() == at::kInt && t->device() == q.device() && t->is_contiguous() && t->dim() == 1 && t->size(0) == batch_size + 1,
+                        "cu_seqlens and cu_* list offsets must be contiguous int32 (batch_size + 1,) tensors on the device of q");
+        }
+    }
+    int64_t const cnt_dim = varlen ? 2 : 3, idx_dim = varlen ? 2 : 4;
+    check_table(full_cnt, "full_cnt", q, cnt_dim);
+    check_table(full_idx, "full_idx", q, idx_dim);
+    check_table(mask_cnt, "mask_cnt", q, cnt_dim);
+    check_table(mask_idx, "mask_idx", q, idx_dim);
+    if (mask_cnt.has_value()) {
+        TORCH_CHECK(mask_cnt->sizes() == full_cnt.sizes() && mask_cnt->strides() == full_cnt.strides(), "mask_cnt must have the shape and strides of full_cnt");
+        TORCH_CHECK(mask_idx->sizes() == full_idx.sizes() && mask_idx->strides() == full_idx.strides(), "mask_idx must have the shape and strides of full_idx");
+    }
+    int const table_heads = varlen ? full_cnt.size(0) : full_cnt.size(1);
+    TORCH_CHECK(table_heads == 1 || table_heads == num_heads_k || table_heads == num_heads,
+                "list head extent must be 1, num_heads_k or num_heads, got ", table_heads);
+    TORCH_CHECK((varlen ? full_idx.size(0) : full_idx.size(1)) == table_heads, "full_idx must have the head extent of full_cnt");
+
+    // Tile: the host copy of the launch template's choice.
+    int const kBlockM = std::get<0>(flash::tile_size_fwd_sm90_sparse(head_size));
+    int const group = num_heads / num_heads_k;
+    bool const can_pack = table_heads != num_heads || group == 1;
+    bool const pack_fits = kBlockM % group == 0 && q_block_size % (kBlockM / group) == 0;
+    bool const pack = group > 1 && can_pack && pack_fits && pack_gqa.value_or(true);
+    TORCH_CHECK(!(pack_gqa.value_or(false) && group > 1 && !pack), "pack_gqa needs shared or per-K/V-head lists and q_block_size a multiple of ", kBlockM, " / group");
+    int const q_rows_per_tile = kBlockM / (pack ? group : 1);
+    TORCH_CHECK(q_block_size > 0 && q_block_size % q_rows_per_tile == 0, "q_block_size must be a positive multiple of ", q_rows_per_tile, " here");
+    if (!varlen) {
+        TORCH_CHECK(full_cnt.size(0) == batch_size, "full_cnt: batch extent must be ", batch_size);
+        TORCH_CHECK(full_idx.sizes().slice(0, 3) == full_cnt.sizes(), "full_idx: leading dims must be full_cnt's");
+        TORCH_CHECK(full_cnt.size(2) >= (seqlen_q + q_block_size - 1) / q_block_size, "full_cnt needs one row per query tile");
+    }
+
+    auto opts = q.options();
+    at::Tensor out = at::empty_like(q);
+    at::Tensor softmax_lse = varlen ? at::empty({num_heads, total_q}, opts.dtype(at::kFloat))
+                                    : at::empty({batch_size, num_heads, seqlen_q}, opts.dtype(at::kFloat));
+    if (total_q == 0) { return {out, softmax_lse}; }
+    if (total_k == 0) {  // no keys at all: the empty-list result everywhere
+        out.zero_();
+        softmax_lse.fill_(-std::numeric_limits<float>::infinity());
+        return {out, softmax_lse};
+    }
+
+    Flash_fwd_params params;
+    auto round_up = [](int x, int m) { return (x + m - 1) / m * m; };
+    set_params_fprop(params, batch_size, seqlen_q, seqlen_k, round_up(seqlen_q, 128), round_up(seqlen_k, 128),
+                     num_heads, num_heads_k, head_size, head_size, q, k, v, out,
+                     varlen ? cu_seqlens_q->data_ptr() : nullptr, varlen ? cu_seqlens_k->data_ptr() : nullptr,
+                     nullptr, nullptr, softmax_lse.data_ptr(), 0.f, float(softmax_scale),
+                     -1 /*window_size_left*/, causal ? 0 : -1 /*window_size_right*/, 0 /*attention_chunk*/, 0.f, 0);
+    params.total_q = total_q;
+    params.total_k = total_k;
+    params.b_k = batch_size;
+    params.dv = head_size;
+    params.dv_rounded = head_size;
+    params.page_size = 1;
+    params.pack_gqa = pack;
+
+    auto &sp = params.sparse;
+    sp.full_cnt = full_cnt.data_ptr<int>();
+    sp.full_idx = full_idx.data_ptr<int>();
+    sp.mask_cnt = mask_cnt.has_value() ? mask_cnt->data_ptr<int>() : nullptr;
+    sp.mask_idx = mask_idx.has_value() ? mask_idx->data_ptr<int>() : nullptr;
+    if (varlen) {
+        sp.cu_total_m_blocks = cu_total_m_blocks->data_ptr<int>();
+        sp.cu_block_idx_offsets = cu_block_idx_offsets->data_ptr<int>();
+        sp.cnt_head_stride = full_cnt.stride(0);
+        sp.idx_head_stride = full_idx.stride(0);
+    } else {
+        sp.cnt_batch_stride = full_cnt.stride(0);
+        sp.cnt_head_stride = full_cnt.stride(1);
+        TORCH_CHECK(full_cnt.stride(2) == 1, "full_cnt must have a contiguous last dimension");
+        sp.idx_batch_stride = full_idx.stride(0);
+        sp.idx_head_stride = full_idx.stride(1);
+        sp.idx_row_stride = full_idx.stride(2);
+        sp.idx_capacity = full_idx.size(3);
+    }
+    // bidh in the kernel is the query head, or the K/V head under PackGQA.
+    sp.head_ratio = (pack ? num_heads_k : num_heads) / table_heads;
+    sp.tiles_per_row = q_block_size / q_rows_per_tile;
+
+    int const num_m_blocks = (seqlen_q * (pack ? group : 1) + kBlockM - 1) / kBlockM;
+    int const num_tiles = batch_size * (pack ? num_heads_k : num_heads) * num_m_blocks;
+    int const n_blocks_k = (seqlen_k + kSparseBlockSize - 1) / kSparseBlockSize;
+    int const max_list_blocks = varlen ? n_blocks_k
+        : std::min<int>(n_blocks_k, full_idx.size(3) * (mask_idx.has_value() ? 2 : 1));
+    params.num_splits = num_splits > 0 ? int(std::min<int64_t>(num_splits, kSparseMaxSplits))
+                                       : auto_num_splits(num_tiles, params.num_sm, max_list_blocks);
+#ifdef FLASHATTENTION_DISABLE_SPLIT
+    TORCH_CHECK(params.num_splits == 1, "This flash attention build does not support splits.");
+#endif
+
+    at::Tensor out_accum, lse_accum;
+    if (params.num_splits > 1) {
+        out_accum = varlen ? at::empty({params.num_splits, num_heads, total_q, head_size}, opts.dtype(at::kFloat))
+                           : at::empty({params.num_splits, batch_size, num_heads, seqlen_q, head_size}, opts.dtype(at::kFloat));
+        lse_accum = varlen ? at::empty({params.num_splits, num_heads, total_q}, opts.dtype(at::kFloat))
+                           : at::empty({params.num_splits, batch_size, num_heads, seqlen_q}, opts.dtype(at::kFloat));
+        if (!varlen) {
+            params.oaccum_batch_stride = out_accum.stride(1);
+            params.lseaccum_batch_stride = lse_accum.stride(1);
+        }
+        params.is_fp32 = false;
+        params.oaccum_ptr = out_accum.data_ptr();
+        params.softmax_lseaccum_ptr = lse_accum.data_ptr();
+        params.oaccum_split_stride = out_accum.stride(0);
+        params.oaccum_row_stride = out_accum.stride(-2);
+        params.oaccum_head_stride = out_accum.stride(-3);
+        params.lseaccum_split_stride = lse_accum.stride(0);
+        params.lseaccum_head_stride = lse_accum.stride(-2);
+    }
+    // The persistent schedulers (causal, varlen) take tiles from a counter; no dynamic splits.
+    at::Tensor tile_count_semaphore = at::zeros({1}, opts.dtype(at::kInt));
+    params.tile_count_semaphore = tile_count_semaphore.data_ptr<int>();
+    params.num_splits_dynamic_ptr = nullptr;
+
+    auto stream = c10::cuda::getCurrentCUDAStream().stream();
+    run_sparse(params, stream);
+    if (params.num_splits > 1) {
+        run_mha_fwd_combine(params, stream, false /*enable_pdl*/);
+    }
+    return {out, softmax_lse};
+}
+
+namespace {
+
+// Shapes only, for torch.compile and FakeTensor.
+std::tuple<at::Tensor, at::Tensor> mha_fwd_sparse_meta(
+        at::Tensor q, at::Tensor k, at::Tensor v, at::Tensor full_cnt, at::Tensor full_idx,
+        c10::optional<at::Tensor> mask_cnt, c10::optional<at::Tensor> mask_idx,
+        c10::optional<at::Tensor> cu_total_m_blocks, c10::optional<at::Tensor> cu_block_idx_offsets,
+        c10::optional<at::Tensor> cu_seqlens_q, c10::optional<at::Tensor> cu_seqlens_k,
+        c10::optional<int64_t> max_seqlen_q, c10::optional<int64_t> max_seqlen_k,
+        double softmax_scale, int64_t block_size, int64_t q_block_size, bool causal,
+        int64_t num_splits, c10::optional<bool> pack_gqa) {
+    auto lse_opts = q.options().dtype(at::kFloat);
+    at::Tensor out = at::empty_like(q);
+    at::Tensor lse = q.dim() == 3 ? at::empty({q.size(1), q.size(0)}, lse_opts)  // varlen (total_q, h, d)
+                                              : at::empty({q.size(0), q.size(2), q.size(1)}, lse_opts);
+    return {out, lse};
+}
+
+}  // namespace
+
+TORCH_LIBRARY(flash_attn_3_sparse, m) {
+    m.def("fwd(Tensor q, Tensor k, Tensor v, Tensor full_cnt, Tensor full_idx, Tensor? mask_cnt, Tensor? mask_idx, "
+          "Tensor? cu_total_m_blocks, Tensor? cu_block_idx_offsets, Tensor? cu_seqlens_q, Tensor? cu_seqlens_k, "
+          "int? max_seqlen_q, int? max_seqlen_k, *, float softmax_scale, int block_size=128, int q_block_size=128, "
+          "bool causal=False, int num_splits=1, bool? pack_gqa=None) -> (Tensor out, Tensor softmax_lse)");
+}
+
+TORCH_LIBRARY_IMPL(flash_attn_3_sparse, CUDA, m) {
+    m.impl("fwd", &mha_fwd_sparse);
+}
+
+TORCH_LIBRARY_IMPL(flash_attn_3_sparse, Meta, m) {
+    m.impl("fwd", &mha_fwd_sparse_meta);
+}

@@ -1,0 +1,52 @@
+"""Instantiations of the sparse SM90 forward (flash_fwd_sparse_launch_template.h): head dims 64
+and 128, fp16 and bf16, with and without PackGQA (shared and per-K/V-head lists) and split-KV.
+
+They are not carried as files: setup.py calls write_sparse_kernels() for the units its DISABLE
+flags keep, and generate_kernels.py writes all of them beside the dense ones."""
+
+import itertools
+from collections import namedtuple
+from pathlib import Path
+
+SparseKernel = namedtuple("SparseKernel", ["template", "filename"])
+
+SPARSE_DTYPES = {"fp16": "cutlass::half_t", "bf16": "cutlass::bfloat16_t"}
+SPARSE_HEAD_DIMENSIONS = [64, 128]
+
+PRELUDE = """// Copyright (c) 2024, Jay Shah, Ganesh Bikshandi, Ying Zhang, Vijay Thakkar, Pradeep Ramani, Tri Dao.
+// Splitting the different template instantiations to different files to speed up compilation.
+// This file is auto-generated. See "generate_kernels_sparse.py"
+
+"""
+
+SPARSE_TEMPLATE = """#include "flash_fwd_sparse_launch_template.h"
+
+#ifndef FLASHATTENTION_DISABLE_SPARSE
+#ifndef FLASHATTENTION_DISABLE_HDIM{HEAD_DIM}
+template void run_mha_fwd_sparse_<{DTYPE}, {HEAD_DIM}, {SPLIT}, {PACKGQA}>(Flash_fwd_params &params, cudaStream_t stream);
+#endif
+#endif
+"""
+
+
+def sparse_kernels():
+    for dtype, head_dim, packgqa, split in itertools.product(SPARSE_DTYPES, SPARSE_HEAD_DIMENSIONS, [False, True], [False, True]):
+        filename = f"flash_fwd_hdim{head_dim}_{dtype}{'_packgqa' if packgqa else ''}{'_split' if split else ''}_sparse_sm90.cu"
+        template = SPARSE_TEMPLATE.format(DTYPE=SPARSE_DTYPES[dtype], HEAD_DIM=head_dim,
+                                          SPLIT=str(split).lower(), PACKGQA=str(packgqa).lower())
+        yield SparseKernel(template, filename)
+
+
+def write_sparse_kernels(output_dir, keep=lambda filename: True):
+    """Write the kept units into output_dir and return their file names. A file already holding
+    the same text is left alone, so ninja does not recompile it."""
+    written = []
+    for kernel in sparse_kernels():
+        if not keep(kernel.filename):
+            continue
+        path = Path(output_dir) / kernel.filename
+        text = PRELUDE + kernel.template
+        if not path.is_file() or path.read_text() != text:
+            path.write_text(text)
+        written.append(kernel.filename)
+    return written

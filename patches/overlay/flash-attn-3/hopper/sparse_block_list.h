@@ -1,0 +1,88 @@
+/******************************************************************************
+ * The block list of one sparse work tile (batch, table head, query tile, split), read the same
+ * way by the producer warp (TMA loads of K and V) and the MMA warpgroups (masking), so that
+ * both walk the same number of entries in the same order: the pipeline depends on it.
+ *
+ * Entries are numbered 0 .. num_full + num_mask - 1: the full list first, then the mask list.
+ * The mainloop walks a split's entry range downwards, like the dense n_block loop; the entry
+ * index takes the place of n_block and block(entry) that of the key-block coordinate.
+ * Counts are clamped to the row capacity; ids outside [0, n_blocks_k) are loaded clamped into
+ * range (memory safe) and masked out entirely, i.e. skipped.
+ ******************************************************************************/
+
+#pragma once
+
+#include <cute/tensor.hpp>
+#include <cutlass/fast_math.h>
+
+#include "sparse_params.h"
+
+namespace flash {
+
+
+struct SparseBlockList {
+    int const *full_idx = nullptr;
+    int const *mask_idx = nullptr;
+    int num_full = 0;
+    int num_entries = 0;
+    int n_blocks_k = 0;
+
+    template <bool Varlen>
+    CUTLASS_DEVICE static SparseBlockList
+    make(SparseBlockParams const &p, int const bidb, int const bidh, int const m_block, int const seqlen_k) {
+        SparseBlockList list;
+        list.n_blocks_k = (seqlen_k + kSparseBlockSize - 1) / kSparseBlockSize;
+        int const head = bidh / p.head_ratio;
+        int const row = m_block / p.tiles_per_row;
+        int64_t cnt_offset, idx_offset;
+        int capacity;
+        if constexpr (Varlen) {
+            int const m_begin = p.cu_total_m_blocks[bidb];
+            int const m_rows = p.cu_total_m_blocks[bidb + 1] - m_begin;
+            if (row >= m_rows) { return list; }  // a tile past the lists: nothing listed
+            int const idx_begin = p.cu_block_idx_offsets[bidb];
+            capacity = (p.cu_block_idx_offsets[bidb + 1] - idx_begin) / m_rows;
+            cnt_offset = head * p.cnt_head_stride + m_begin + row;
+            idx_offset = head * p.idx_head_stride + idx_begin + int64_t(row) * capacity;
+        } else {
+            capacity = p.idx_capacity;
+            cnt_offset = bidb * p.cnt_batch_stride + head * p.cnt_head_stride + row;
+            idx_offset = bidb * p.idx_batch_stride + head * p.idx_head_stride + row * p.idx_row_stride;
+        }
+        auto clamp_count = [&](int const *cnt) { return cnt == nullptr ? 0 : max(0, min(cnt[cnt_offset], capacity)); };
+        list.full_idx = p.full_idx + idx_offset;
+        list.num_full = clamp_count(p.full_cnt);
+        if (p.mask_idx != nullptr) { list.mask_idx = p.mask_idx + idx_offset; }
+        list.num_entries = list.num_full + clamp_count(p.mask_cnt);
+        return list;
+    }
+
+    // The listed id, possibly out of range.
+    CUTLASS_DEVICE int raw_block(int const entry) const {
+        return entry < num_full ? full_idx[entry] : mask_idx[entry - num_full];
+    }
+    CUTLASS_DEVICE bool is_mask(int const entry) const { return entry >= num_full; }
+    CUTLASS_DEVICE bool is_valid(int const block) const { return block >= 0 && block < n_blocks_k; }
+    // Key-block coordinate for the TMA loads: always inside the sequence (or block 0 of an
+    // empty one, which TMA bounds-checks and the mask hides).
+    CUTLASS_DEVICE int load_block(int const entry) const {
+        return max(0, min(raw_block(entry), n_blocks_k - 1));
+    }
+
+    // The split's entry range [begin, end), an even share of the entries by count; split_idx
+    // carries the dynamic split count in its top 16 bits as in BlockMN::get_n_block_min_max.
+    template <bool Split>
+    CUTLASS_DEVICE cute::tuple<int, int> entry_range(int const split_idx, int const num_splits) const {
+        if constexpr (!Split) {
+            return {0, num_entries};
+        } else {
+            int const num_splits_dynamic = int(uint32_t(split_idx) >> 16);
+            int const splits = num_splits_dynamic > 0 ? num_splits_dynamic : num_splits;
+            int const per_split = cute::ceil_div(num_entries, splits);
+            int const begin = (split_idx & 0xFFFF) * per_split;
+            return {begin, min(begin + per_split, num_entries)};
+        }
+    }
+};
+
+}  // namespace flash

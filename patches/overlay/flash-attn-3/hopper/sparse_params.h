@@ -1,0 +1,45 @@
+/******************************************************************************
+ * Block lists of the sparse forward (the project's sparse contract,
+ * flash_attn_sparse/metadata.py): plain data shared by the host entry point and the kernels.
+ * A null full_idx means dense; the dense kernels never read these fields.
+ ******************************************************************************/
+
+#pragma once
+
+#include <cstdint>
+#include <tuple>
+
+struct SparseBlockParams {
+    // Lists: batched cnt[b, hs, m] and idx[b, hs, m, capacity]; varlen cnt[hs, total_m_blocks]
+    // and idx[hs, total_n_blocks] with cu_total_m_blocks / cu_block_idx_offsets (both [b + 1]).
+    // The mask lists share the strides of the full ones (metadata.py checks it).
+    int const *full_cnt = nullptr;
+    int const *full_idx = nullptr;
+    int const *mask_cnt = nullptr;  // may be null: no mask blocks
+    int const *mask_idx = nullptr;
+    int const *cu_total_m_blocks = nullptr;  // non-null: varlen layout
+    int const *cu_block_idx_offsets = nullptr;
+    int64_t cnt_batch_stride = 0, cnt_head_stride = 0;
+    int64_t idx_batch_stride = 0, idx_head_stride = 0, idx_row_stride = 0;
+    int idx_capacity = 0;  // entries per batched row
+    // Table head of a kernel tile: bidh / head_ratio, where bidh is the query head, or the K/V
+    // head under PackGQA.
+    int head_ratio = 1;
+    // Kernel query tiles per list row (q_block_size / query rows of one kernel tile).
+    int tiles_per_row = 1;
+};
+
+// Keys per list block; the kernels' kBlockN equals it.
+constexpr int kSparseBlockSize = 128;
+
+namespace flash {
+
+// Tile of the sparse kernels, {kBlockM, kBlockN, MmaPV_is_RS, IntraWGOverlap}, used by the
+// launch template and by the host entry point (flash_api_sparse.cpp). Head dim 128 takes its
+// dense causal configuration; head dim 64 takes 128 query rows instead of the dense 192, so that
+// query tiles of 128 rows map onto whole kernel tiles.
+constexpr std::tuple<int, int, bool, bool> tile_size_fwd_sm90_sparse(int /*headdim*/) {
+    return {128, kSparseBlockSize, true, true};
+}
+
+}  // namespace flash

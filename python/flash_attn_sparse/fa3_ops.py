@@ -1,0 +1,87 @@
+"""The FA-3 sparse SM90 forward, torch.ops.flash_attn_3_sparse.fwd (patches/overlay/flash-attn-3/
+hopper/flash_api_sparse.cpp, built into upstream's flash_attn_3 wheel by forktools build).
+
+sparse_fwd takes the SparseBlocks of the FA-2 path and returns (out, lse) in its layout: LSE
+(batch, heads, seqlen_q) batched, (heads, total_q) varlen. refusal() states, from shapes only,
+the kernel's host rules a call breaks, so a caller can route elsewhere instead of catching the
+op's error; missing_build() says why the op cannot be called at all.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Optional, Tuple
+
+import torch
+from torch import Tensor
+
+from flash_attn_sparse.metadata import SparseBlocks
+
+BLOCK_SIZE = 128  # kSparseBlockSize: one K/V block is one kernel tile_n
+TILE_M = 128  # query rows of a tile (tile_size_fwd_sm90_sparse), shared by the packed heads
+HEAD_DIMS = (64, 128)  # the instantiated head dims (generate_kernels_sparse.py)
+
+
+def missing_build() -> Optional[str]:
+    """None if torch.ops.flash_attn_3_sparse.fwd is callable, else why not."""
+    try:
+        import flash_attn_3._C  # noqa: F401 -- loading the library registers the op
+    except ImportError as error:
+        return f"flash_attn_3 is not importable ({error}); build it with `python -m forktools build`"
+    if not hasattr(torch.ops.flash_attn_3_sparse, "fwd"):
+        return "this flash_attn_3 build has no flash_attn_3_sparse.fwd (built with FLASH_ATTENTION_DISABLE_SPARSE?)"
+    return None
+
+
+def _packs_query_heads(group: int, list_heads: int, num_heads: int, q_block_size: int) -> bool:
+    """The host's PackGQA choice (pack_gqa=None): the query heads of a K/V head share a tile when
+    the lists are shared or per K/V head and a query block is a whole number of packed rows."""
+    return (group > 1 and (list_heads != num_heads or group == 1) and TILE_M % group == 0
+            and q_block_size % (TILE_M // group) == 0)
+
+
+def refusal(q: Tensor, k: Tensor, blocks: SparseBlocks, *, varlen: bool, paged: bool = False,
+            max_seqlen_q: Optional[int] = None) -> Optional[str]:
+    """None if the FA-3 sparse kernel takes this call, else the first rule it breaks."""
+    if not q.is_cuda or torch.cuda.get_device_capability(q.device) != (9, 0):
+        return "the FA-3 sparse kernel runs on sm90 (H100/H200) only"
+    if q.dtype not in (torch.float16, torch.bfloat16) or k.dtype != q.dtype:
+        return f"the FA-3 sparse kernel takes fp16 or bf16 q and k of one dtype, got {q.dtype} and {k.dtype}"
+    if q.shape[-1] not in HEAD_DIMS or k.shape[-1] != q.shape[-1]:
+        return f"the FA-3 sparse kernel has head dims {HEAD_DIMS} (K and V equal to Q), got {q.shape[-1]}"
+    if paged:
+        return "the FA-3 sparse kernel has no paged K/V"
+    if blocks.block_size != BLOCK_SIZE:
+        return f"the FA-3 sparse kernel takes block_size {BLOCK_SIZE} only, got {blocks.block_size}"
+    if blocks.is_varlen != varlen:
+        return "varlen inputs need varlen lists (cu_total_m_blocks, cu_block_idx_offsets) and batched ones batched lists"
+    num_heads, num_heads_k = q.shape[-2], k.shape[-2]
+    if num_heads_k == 0 or num_heads % num_heads_k:
+        return f"num_heads {num_heads} must be a multiple of num_heads_k {num_heads_k}"
+    if blocks.num_heads not in (1, num_heads_k, num_heads):
+        return f"the lists' head extent must be 1, {num_heads_k} or {num_heads}, got {blocks.num_heads}"
+    seqlen_q = max_seqlen_q if max_seqlen_q is not None else (q.shape[0] if varlen else q.shape[1])
+    q_block_size = blocks.resolved_q_block_size(seqlen_q)
+    group = num_heads // num_heads_k
+    rows = TILE_M // group if _packs_query_heads(group, blocks.num_heads, num_heads, q_block_size) else TILE_M
+    if q_block_size <= 0 or q_block_size % rows:
+        return f"q_block_size {q_block_size} must be a multiple of {rows} (the query rows of a tile) here"
+    return None
+
+
+def sparse_fwd(q: Tensor, k: Tensor, v: Tensor, blocks: SparseBlocks, *, softmax_scale: Optional[float] = None,
+               causal: bool = False, num_splits: int = 1, pack_gqa: Optional[bool] = None,
+               cu_seqlens_q: Optional[Tensor] = None, cu_seqlens_k: Optional[Tensor] = None,
+               max_seqlen_q: Optional[int] = None, max_seqlen_k: Optional[int] = None) -> Tuple[Tensor, Tensor]:
+    """Attention of q over the listed K/V blocks: (out like q, lse float32). Batched q, k, v are
+    (b, s, h, d); varlen ones (total, h, d) with cu_seqlens_* and max_seqlen_*. num_splits=0 lets
+    the kernel's host pick a split count from shapes."""
+    varlen = cu_seqlens_q is not None
+    seqlen_q = max_seqlen_q if varlen else q.shape[1]
+    return torch.ops.flash_attn_3_sparse.fwd(
+        q, k, v, blocks.full_cnt, blocks.full_idx, blocks.mask_cnt, blocks.mask_idx,
+        blocks.cu_total_m_blocks, blocks.cu_block_idx_offsets, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
+        max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k,
+        softmax_scale=softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1]),
+        block_size=blocks.block_size, q_block_size=blocks.resolved_q_block_size(seqlen_q or 0),
+        causal=causal, num_splits=num_splits, pack_gqa=pack_gqa)

@@ -1,0 +1,372 @@
+"""Stage 4, FA-3: GPU tests of the sparse SM90 forward (patches flash-attn-3/0002-0003), torch.ops.flash_attn_3_sparse.fwd, against an fp32
+reference that gathers exactly the listed blocks (the sparse contract of
+flash_attn_sparse/metadata.py, with the kernel's rules for bad input: counts clamped to
+[0, capacity], ids outside [0, n_blocks) skipped, an empty list giving O = 0 and LSE = -inf).
+
+Lists are permuted and gapped, and V gets a per-block offset, so a kernel whose V steps densely
+while K follows the list (tests/mutations/fa3-v-steps-densely.patch) fails. Needs an H100/H200 and the flash_attn_3
+wheel of `forktools build` (dev profile: flash_api_sparse.cpp and the *_sparse_sm90.cu units).
+"""
+
+import math
+import random
+
+import pytest
+import torch
+
+from flash_attn_sparse.reference import visibility_from_lists
+from helpers import assert_close_to_reference, batched_rows, poison_allocator, random_qkv
+
+BLOCK = 128
+
+
+def _load_op():
+    if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0):
+        return None, "needs an sm90 GPU"
+    try:
+        import flash_attn_3._C  # noqa: F401  (registers torch.ops.flash_attn_3 and flash_attn_3_sparse)
+    except ImportError as error:
+        return None, f"flash_attn_3 extension not importable: {error}"
+    if not hasattr(torch.ops, "flash_attn_3_sparse") or not hasattr(torch.ops.flash_attn_3_sparse, "fwd"):
+        return None, "flash_attn_3 built without flash_api_sparse.cpp"
+    return torch.ops.flash_attn_3_sparse.fwd, None
+
+
+SPARSE_FWD, SKIP_REASON = _load_op()
+pytestmark = [pytest.mark.gpu, pytest.mark.sm90, pytest.mark.stage4,
+              pytest.mark.skipif(SPARSE_FWD is None, reason=str(SKIP_REASON))]
+
+
+# ----------------------------------------------------------------------------------------------
+# Inputs
+
+
+def make_qkv(batch, seqlen_q, seqlen_k, heads, heads_k, head_dim, dtype, seed):
+    q, k, v = random_qkv(batch, seqlen_q, seqlen_k, heads, heads_k, head_dim, dtype,
+                         generator=torch.Generator(device="cuda").manual_seed(seed))
+    # Distinct V per block: reading the wrong block's V shifts the output by whole units.
+    block_of_key = torch.arange(seqlen_k, device="cuda") // BLOCK
+    v = (v.float() + 0.75 * (block_of_key % 5 - 2).view(1, -1, 1, 1)).to(dtype)
+    return q, k, v
+
+
+def gapped_permuted(rng, n_blocks, keep, must=()):
+    """A random gapped subset of range(n_blocks) in random order (the tail block included when
+    listed anywhere), plus the blocks in must."""
+    chosen = set(must) | {b for b in range(n_blocks) if rng.random() < keep}
+    ids = sorted(chosen)
+    rng.shuffle(ids)
+    return ids
+
+
+def pack_rows(rows, capacity=None, pad=0):
+    """rows[b][h][m] = [ids] -> (cnt (B, H, M), idx (B, H, M, N)) int32 on the GPU, idx padded with pad."""
+    batch, heads, m_blocks = len(rows), len(rows[0]), len(rows[0][0])
+    width = capacity or max([len(r) for per_b in rows for per_h in per_b for r in per_h] + [1])
+    cnt = torch.zeros(batch, heads, m_blocks, dtype=torch.int32)
+    idx = torch.full((batch, heads, m_blocks, width), pad, dtype=torch.int32)
+    for b in range(batch):
+        for h in range(heads):
+            for m in range(m_blocks):
+                ids = rows[b][h][m][:width]
+                cnt[b, h, m] = len(ids)
+                idx[b, h, m, :len(ids)] = torch.tensor(ids, dtype=torch.int32)
+    return cnt.cuda(), idx.cuda()
+
+
+def causal_split_rows(rng, batch, table_heads, m_blocks, q_block, seqlen_q, seqlen_k, keep):
+    """Full blocks: fully historical for every row of the tile; mask blocks: those that touch the
+    diagonal (bottom-right aligned). Each list gapped and permuted."""
+    n_blocks = math.ceil(seqlen_k / BLOCK)
+    full, mask = [], []
+    for _ in range(batch):
+        full_b, mask_b = [], []
+        for _ in range(table_heads):
+            full_h, mask_h = [], []
+            for m in range(m_blocks):
+                first_row = m * q_block
+                last_row = min((m + 1) * q_block, seqlen_q) - 1
+                shift = seqlen_k - seqlen_q
+                f, k = [], []
+                for blk in range(n_blocks):
+                    if (blk + 1) * BLOCK - 1 <= first_row + shift and (blk + 1) * BLOCK <= seqlen_k:
+                        f.append(blk)
+                    elif blk * BLOCK <= last_row + shift:
+                        k.append(blk)
+                f = [b for b in f if rng.random() < keep]
+                rng.shuffle(f)
+                rng.shuffle(k)
+                full_h.append(f)
+                mask_h.append(k)
+            full_b.append(full_h)
+            mask_b.append(mask_h)
+        full.append(full_b)
+        mask.append(mask_b)
+    return full, mask
+
+
+# ----------------------------------------------------------------------------------------------
+# Reference: the project's (flash_attn_sparse.reference) over exactly the ids the kernel visits
+
+
+def visited_rows(cnt, idx, n_blocks):
+    """rows[b][h][m]: the ids the kernel visits: the count clamped to [0, capacity], ids outside
+    [0, n_blocks) skipped."""
+    rows = batched_rows(cnt.clamp(0, idx.shape[-1]), idx)
+    return [[[[i for i in row if 0 <= i < n_blocks] for row in per_h] for per_h in per_b] for per_b in rows]
+
+
+def check_batched(out, lse, q, k, v, full_cnt, full_idx, mask_cnt, mask_idx, q_block, causal, scale):
+    """out (b, s, h, d) and LSE (b, h, s) against the fp32 reference (tests/helpers.py tolerance:
+    twice the error of the same computation in the input dtype; -inf LSE exactly where nothing is
+    visible)."""
+    batch, seqlen_q, heads, _ = q.shape
+    seqlen_k = k.shape[1]
+    n_blocks = math.ceil(seqlen_k / BLOCK)
+    full = visited_rows(full_cnt, full_idx, n_blocks)
+    mask = visited_rows(mask_cnt, mask_idx, n_blocks) if mask_cnt is not None else [None] * batch
+    visible = torch.stack([visibility_from_lists(full[b], mask[b], BLOCK, q_block, seqlen_q, seqlen_k, heads, causal,
+                                                 device=q.device) for b in range(batch)])
+    assert_close_to_reference(out, lse, q, k, v, visible, scale)
+
+
+def run_sparse(q, k, v, full_cnt, full_idx, mask_cnt=None, mask_idx=None, *, q_block_size, causal=False,
+               num_splits=1, pack_gqa=None, varlen=None):
+    scale = q.shape[-1] ** -0.5
+    poison_allocator((q.shape, q.dtype), ((q.shape[0] * q.shape[1] * q.shape[2],), torch.float32))
+    cu_m = cu_off = cu_q = cu_k = max_q = max_k = None
+    if varlen is not None:
+        cu_m, cu_off, cu_q, cu_k, max_q, max_k = varlen
+    out, lse = SPARSE_FWD(q, k, v, full_cnt, full_idx, mask_cnt, mask_idx, cu_m, cu_off, cu_q, cu_k, max_q, max_k,
+                          block_size=BLOCK, q_block_size=q_block_size, softmax_scale=scale, causal=causal,
+                          num_splits=num_splits, pack_gqa=pack_gqa)
+    torch.cuda.synchronize()
+    return out, lse, scale
+
+
+# ----------------------------------------------------------------------------------------------
+# Tests
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("table", ["shared", "per_kv_head", "per_q_head"])
+@pytest.mark.parametrize("pack_gqa", [None, False])
+def test_permuted_gapped_lists(dtype, head_dim, table, pack_gqa):
+    batch, heads, heads_k, seqlen_q, seqlen_k, q_block = 2, 8, 2, 300, 1000, 128
+    rng = random.Random(1000 + head_dim)
+    q, k, v = make_qkv(batch, seqlen_q, seqlen_k, heads, heads_k, head_dim, dtype, seed=rng.randrange(1 << 30))
+    table_heads = {"shared": 1, "per_kv_head": heads_k, "per_q_head": heads}[table]
+    m_blocks, n_blocks = math.ceil(seqlen_q / q_block), math.ceil(seqlen_k / BLOCK)
+    # The partial tail block (n_blocks - 1) sits anywhere in the permuted lists.
+    rows = [[[gapped_permuted(rng, n_blocks, 0.5, must=[n_blocks - 1] if (b + h + m) % 2 else [])
+              for m in range(m_blocks)] for h in range(table_heads)] for b in range(batch)]
+    full_cnt, full_idx = pack_rows(rows)
+    out, lse, scale = run_sparse(q, k, v, full_cnt, full_idx, q_block_size=q_block, pack_gqa=pack_gqa)
+    check_batched(out, lse, q, k, v, full_cnt, full_idx, None, None, q_block, False, scale)
+
+
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("seqlens", [(512, 512), (256, 1000), (384, 200)])
+@pytest.mark.parametrize("table", ["per_kv_head", "per_q_head"])
+def test_causal_mask_blocks(head_dim, seqlens, table):
+    seqlen_q, seqlen_k = seqlens
+    batch, heads, heads_k, q_block = 2, 4, 2, 128
+    rng = random.Random(seqlen_q * 7 + seqlen_k)
+    q, k, v = make_qkv(batch, seqlen_q, seqlen_k, heads, heads_k, head_dim, torch.bfloat16, seed=rng.randrange(1 << 30))
+    table_heads = heads_k if table == "per_kv_head" else heads
+    m_blocks = math.ceil(seqlen_q / q_block)
+    full, mask = causal_split_rows(rng, batch, table_heads, m_blocks, q_block, seqlen_q, seqlen_k, keep=0.7)
+    width = max(max(len(r) for pb in full for ph in pb for r in ph), max(len(r) for pb in mask for ph in pb for r in ph), 1)
+    full_cnt, full_idx = pack_rows(full, width)
+    mask_cnt, mask_idx = pack_rows(mask, width)
+    out, lse, scale = run_sparse(q, k, v, full_cnt, full_idx, mask_cnt, mask_idx, q_block_size=q_block, causal=True)
+    check_batched(out, lse, q, k, v, full_cnt, full_idx, mask_cnt, mask_idx, q_block, True, scale)
+
+
+@pytest.mark.parametrize("num_splits", [2, 3, 7, 40])
+@pytest.mark.parametrize("table", ["shared", "per_kv_head", "per_q_head"])
+def test_forced_splits(num_splits, table):
+    """Each split takes an even share of the entries; splits past the end are empty partials
+    (LSE -inf) that the combine must ignore."""
+    batch, heads, heads_k, seqlen_q, seqlen_k, q_block = 2, 8, 2, 16, 4000, 128
+    rng = random.Random(num_splits)
+    q, k, v = make_qkv(batch, seqlen_q, seqlen_k, heads, heads_k, 128, torch.bfloat16, seed=rng.randrange(1 << 30))
+    table_heads = {"shared": 1, "per_kv_head": heads_k, "per_q_head": heads}[table]
+    n_blocks = math.ceil(seqlen_k / BLOCK)
+    rows = [[[gapped_permuted(rng, n_blocks, 0.4, must=[n_blocks - 1])] for _ in range(table_heads)] for _ in range(batch)]
+    rows[0][0][0] = []  # one empty row among split ones
+    full_cnt, full_idx = pack_rows(rows)
+    out, lse, scale = run_sparse(q, k, v, full_cnt, full_idx, q_block_size=q_block, num_splits=num_splits)
+    check_batched(out, lse, q, k, v, full_cnt, full_idx, None, None, q_block, False, scale)
+
+
+@pytest.mark.parametrize("num_splits", [1, 3])
+def test_empty_lists(num_splits):
+    batch, heads, heads_k, seqlen_q, seqlen_k, q_block = 2, 4, 4, 256, 640, 128
+    rng = random.Random(5)
+    q, k, v = make_qkv(batch, seqlen_q, seqlen_k, heads, heads_k, 128, torch.float16, seed=11)
+    n_blocks = math.ceil(seqlen_k / BLOCK)
+    rows = [[[gapped_permuted(rng, n_blocks, 0.5) if (b, h, m) != (1, 2, 1) else [] for m in range(2)]
+             for h in range(heads)] for b in range(batch)]
+    rows[0] = [[[] for _ in range(2)] for _ in range(heads)]  # a whole batch with nothing listed
+    full_cnt, full_idx = pack_rows(rows)
+    out, lse, scale = run_sparse(q, k, v, full_cnt, full_idx, q_block_size=q_block, num_splits=num_splits)
+    check_batched(out, lse, q, k, v, full_cnt, full_idx, None, None, q_block, False, scale)
+    assert (out[0] == 0).all() and (lse[0] == float("-inf")).all()
+
+
+@pytest.mark.parametrize("q_block_size,heads,heads_k,table", [(256, 4, 4, "per_q_head"), (128, 8, 2, "per_kv_head"),
+                                                              (256, 8, 1, "shared"), (64, 8, 4, "per_kv_head")])
+def test_query_tiles_and_pack_gqa(q_block_size, heads, heads_k, table):
+    """List rows of q_block_size rows over kernel tiles of 128 (packed) rows."""
+    batch, seqlen_q, seqlen_k = 1, 600, 900
+    rng = random.Random(q_block_size + heads)
+    q, k, v = make_qkv(batch, seqlen_q, seqlen_k, heads, heads_k, 128, torch.bfloat16, seed=rng.randrange(1 << 30))
+    table_heads = {"shared": 1, "per_kv_head": heads_k, "per_q_head": heads}[table]
+    m_blocks, n_blocks = math.ceil(seqlen_q / q_block_size), math.ceil(seqlen_k / BLOCK)
+    rows = [[[gapped_permuted(rng, n_blocks, 0.5) for _ in range(m_blocks)] for _ in range(table_heads)]]
+    full_cnt, full_idx = pack_rows(rows)
+    out, lse, scale = run_sparse(q, k, v, full_cnt, full_idx, q_block_size=q_block_size)
+    check_batched(out, lse, q, k, v, full_cnt, full_idx, None, None, q_block_size, False, scale)
+
+
+@pytest.mark.parametrize("num_splits", [1, 3])
+def test_bad_ids_and_counts(num_splits):
+    """Counts above the capacity are clamped, negative ones read as 0; ids outside
+    [0, n_blocks) are skipped. No fault, and the valid blocks still count."""
+    batch, heads, heads_k, seqlen_q, seqlen_k, q_block = 2, 4, 2, 200, 700, 128
+    rng = random.Random(9)
+    q, k, v = make_qkv(batch, seqlen_q, seqlen_k, heads, heads_k, 128, torch.bfloat16, seed=3)
+    n_blocks = math.ceil(seqlen_k / BLOCK)
+    rows = [[[gapped_permuted(rng, n_blocks, 0.6) + [-1, n_blocks, 10 ** 6, -(2 ** 31)] for _ in range(2)]
+             for _ in range(heads_k)] for _ in range(batch)]
+    for per_b in rows:
+        for per_h in per_b:
+            for r in per_h:
+                rng.shuffle(r)
+    # Padding past a count is an out-of-range id, so a count clamped to the capacity reads only
+    # skipped ids beyond the real entries.
+    full_cnt, full_idx = pack_rows(rows, pad=-7)
+    full_cnt[0, 0, 0] = 1000  # above the capacity: clamped
+    full_cnt[1, 1, 1] = -5  # negative: nothing
+    mask_cnt = torch.zeros_like(full_cnt)
+    mask_idx = torch.full_like(full_idx, n_blocks + 3)  # all out of range: skipped
+    mask_cnt[1, 0, 0] = 10 ** 6
+    mask_cnt[0, 1, 1] = 2
+    out, lse, scale = run_sparse(q, k, v, full_cnt, full_idx, mask_cnt, mask_idx, q_block_size=q_block, num_splits=num_splits)
+    check_batched(out, lse, q, k, v, full_cnt, full_idx, mask_cnt, mask_idx, q_block, False, scale)
+
+
+def varlen_inputs(seqlens_q, seqlens_k, heads, heads_k, head_dim, table_heads, q_block, rng, causal):
+    """Packed q/k/v and the varlen list layout; per sequence, rows of n_b = its longest list."""
+    total_q, total_k = sum(seqlens_q), sum(seqlens_k)
+    gen = torch.Generator(device="cuda").manual_seed(rng.randrange(1 << 30))
+    q = torch.randn(total_q, heads, head_dim, device="cuda", dtype=torch.bfloat16, generator=gen)
+    k = torch.randn(total_k, heads_k, head_dim, device="cuda", dtype=torch.bfloat16, generator=gen)
+    v = torch.randn(total_k, heads_k, head_dim, device="cuda", dtype=torch.float32, generator=gen)
+    offsets = torch.cat([torch.arange(s) for s in seqlens_k]).cuda() // BLOCK if total_k else torch.zeros(0, device="cuda")
+    v = (v + 0.75 * (offsets % 5 - 2).view(-1, 1, 1)).to(torch.bfloat16)
+    per_seq = []
+    cu_m, cu_off = [0], [0]
+    for sq, sk in zip(seqlens_q, seqlens_k):
+        m_blocks, n_blocks = math.ceil(sq / q_block), math.ceil(sk / BLOCK)
+        if causal:
+            full, mask = causal_split_rows(rng, 1, table_heads, m_blocks, q_block, sq, sk, keep=0.7)
+            full, mask = full[0], mask[0]
+        else:
+            full = [[gapped_permuted(rng, n_blocks, 0.5, must=[n_blocks - 1] if n_blocks else []) for _ in range(m_blocks)]
+                    for _ in range(table_heads)]
+            mask = [[[] for _ in range(m_blocks)] for _ in range(table_heads)]
+        width = max([len(r) for lists in (full, mask) for ph in lists for r in ph] + [1])
+        per_seq.append((full, mask, width))
+        cu_m.append(cu_m[-1] + m_blocks)
+        cu_off.append(cu_off[-1] + m_blocks * width)
+    full_cnt = torch.zeros(table_heads, max(cu_m[-1], 1), dtype=torch.int32)
+    mask_cnt = torch.zeros_like(full_cnt)
+    full_idx = torch.zeros(table_heads, max(cu_off[-1], 1), dtype=torch.int32)
+    mask_idx = torch.zeros_like(full_idx)
+    for b, (full, mask, width) in enumerate(per_seq):
+        for h in range(table_heads):
+            for m in range(len(full[h])):
+                start = cu_off[b] + m * width
+                for cnt, idx, ids in ((full_cnt, full_idx, full[h][m]), (mask_cnt, mask_idx, mask[h][m])):
+                    cnt[h, cu_m[b] + m] = len(ids)
+                    idx[h, start:start + len(ids)] = torch.tensor(ids, dtype=torch.int32)
+    as_gpu = lambda values: torch.tensor(values, dtype=torch.int32, device="cuda")
+    cu_q = as_gpu([0] + list(torch.tensor(seqlens_q).cumsum(0).tolist()))
+    cu_k = as_gpu([0] + list(torch.tensor(seqlens_k).cumsum(0).tolist()))
+    varlen = (as_gpu(cu_m), as_gpu(cu_off), cu_q, cu_k, max(seqlens_q), max(seqlens_k))
+    return q, k, v, full_cnt.cuda(), full_idx.cuda(), mask_cnt.cuda(), mask_idx.cuda(), per_seq, varlen
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("table", ["shared", "per_kv_head", "per_q_head"])
+@pytest.mark.parametrize("num_splits", [1, 3])
+def test_varlen_ragged_and_empty(causal, table, num_splits):
+    seqlens_q = [300, 0, 128, 77, 1]
+    seqlens_k = [1000, 500, 0, 77, 2100]
+    heads, heads_k, q_block = 4, 2, 128
+    if causal:
+        seqlens_k = [max(sk, sq) for sq, sk in zip(seqlens_q, seqlens_k)]
+    rng = random.Random(hash((causal, table, num_splits)) & 0xFFFF)
+    table_heads = {"shared": 1, "per_kv_head": heads_k, "per_q_head": heads}[table]
+    q, k, v, full_cnt, full_idx, mask_cnt, mask_idx, per_seq, varlen = varlen_inputs(
+        seqlens_q, seqlens_k, heads, heads_k, 128, table_heads, q_block, rng, causal)
+    out, lse, scale = run_sparse(q, k, v, full_cnt, full_idx, mask_cnt, mask_idx, q_block_size=q_block,
+                                 causal=causal, num_splits=num_splits, varlen=varlen)
+    assert lse.shape == (heads, q.shape[0])
+    q_start = k_start = 0
+    for (sq, sk), (full, mask, width) in zip(zip(seqlens_q, seqlens_k), per_seq):
+        if sq:
+            f_cnt, f_idx = pack_rows([full], width)
+            m_cnt, m_idx = pack_rows([mask], width)
+            check_batched(out[q_start:q_start + sq].unsqueeze(0), lse[:, q_start:q_start + sq].unsqueeze(0),
+                          q[q_start:q_start + sq].unsqueeze(0), k[k_start:k_start + sk].unsqueeze(0),
+                          v[k_start:k_start + sk].unsqueeze(0), f_cnt, f_idx, m_cnt, m_idx, q_block, causal, scale)
+        q_start += sq
+        k_start += sk
+
+
+def test_every_block_listed_matches_dense():
+    """All blocks listed, ascending: dense attention (every key visible)."""
+    batch, heads, heads_k, seqlen_q, seqlen_k = 2, 8, 2, 512, 1000
+    q, k, v = make_qkv(batch, seqlen_q, seqlen_k, heads, heads_k, 128, torch.bfloat16, seed=21)
+    n_blocks = math.ceil(seqlen_k / BLOCK)
+    rows = [[[list(range(n_blocks)) for _ in range(4)]] for _ in range(batch)]
+    full_cnt, full_idx = pack_rows(rows)
+    out, lse, scale = run_sparse(q, k, v, full_cnt, full_idx, q_block_size=128)
+    check_batched(out, lse, q, k, v, full_cnt, full_idx, None, None, 128, False, scale)
+
+
+# ----------------------------------------------------------------------------------------------
+# The Python wrapper flash_attn_sparse.fa3_ops
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_wrapper_matches_the_reference_and_refuses_what_the_host_refuses(causal):
+    """fa3_ops.sparse_fwd (keyword call, default scale, SparseBlocks) against the fp32 reference
+    with the FA-2 LSE layout; refusal() is None for it and names block_size, head dim and paged."""
+    from flash_attn_sparse import SparseBlocks, fa3_ops
+
+    assert fa3_ops.missing_build() is None
+    batch, heads, heads_k, seqlen_q, seqlen_k, head_dim, q_block = 2, 4, 2, 256, 700, 128, 128
+    rng = random.Random(77 + causal)
+    q, k, v = make_qkv(batch, seqlen_q, seqlen_k, heads, heads_k, head_dim, torch.bfloat16, seed=rng.randrange(1 << 30))
+    n_blocks = math.ceil(seqlen_k / BLOCK)
+    rows = [[[gapped_permuted(rng, n_blocks, 0.6, must=[n_blocks - 1]) for _ in range(2)] for _ in range(heads_k)]
+            for _ in range(batch)]
+    full_cnt, full_idx = pack_rows(rows)
+    blocks = SparseBlocks(full_cnt, full_idx, block_size=BLOCK, q_block_size=q_block)
+    assert fa3_ops.refusal(q, k, blocks, varlen=False) is None
+    poison_allocator((q.shape, q.dtype), ((batch * seqlen_q * heads,), torch.float32))
+    out, lse = fa3_ops.sparse_fwd(q, k, v, blocks, causal=causal, num_splits=1)
+    torch.cuda.synchronize()
+    assert lse.shape == (batch, heads, seqlen_q)
+    check_batched(out, lse, q, k, v, full_cnt, full_idx, None, None, q_block, causal, head_dim ** -0.5)
+    assert "block_size" in fa3_ops.refusal(q, k, SparseBlocks(full_cnt, full_idx, block_size=64, q_block_size=q_block),
+                                           varlen=False)
+    assert "head dims" in fa3_ops.refusal(q[..., :96], k[..., :96], blocks, varlen=False)
+    assert "paged" in fa3_ops.refusal(q, k, blocks, varlen=False, paged=True)
+    assert "q_block_size" in fa3_ops.refusal(q, k, SparseBlocks(full_cnt, full_idx, block_size=BLOCK, q_block_size=96),
+                                             varlen=False)
