@@ -300,10 +300,6 @@ def upstream_fa2(session) -> str:
     return f"upstream FA-2 tests: {_last_line(session, log)}"
 
 
-def fa3(session) -> str:
-    return run_pytest(session, "fa3", "tests/test_stage4_fa3_sparse.py")
-
-
 def upstream_fa3(session) -> str:
     """Upstream FA-3's hopper/test_flash_attn.py (of the patched tree) on the installed flash_attn_3,
     narrowed by -k and by forktools.fa3_tests' deselection of what the dev profile leaves out."""
@@ -376,7 +372,6 @@ STEPS = {
     "fuzz": ("tests/fuzz/run.py --seed --fuzz-seed --budget-s --fuzz-budget-s", fuzz),
     "upstream-fa2": ("upstream FA-2's tests on this wheel (tests/upstream/run_upstream.py)", upstream_fa2),
     "example": ("every examples/*.py, each must exit 0", examples),
-    "fa3": ("the FA-3 sparse kernel's tests (tests/test_stage4_fa3_sparse.py)", fa3),
     "upstream-fa3": ("upstream FA-3 hopper/test_flash_attn.py forward tests on flash_attn_3 (--upstream-fa3-k)", upstream_fa3),
     "distributed": ("the context-parallel tests on one GPU (tests/test_distributed_gpu.py)", distributed),
     "client-bench": ("examples/transformers_quest.py --bench at 32k, 1/8: tokens/s eager and graphed vs dense SDPA", client_bench),
