@@ -340,14 +340,15 @@ def test_every_block_listed_matches_dense():
 
 
 # ----------------------------------------------------------------------------------------------
-# The Python wrapper flash_attn_sparse.fa3_ops
+# The Python wrapper flash_attn_sparse.backends.fa3_ops
 
 
 @pytest.mark.parametrize("causal", [False, True])
 def test_wrapper_matches_the_reference_and_refuses_what_the_host_refuses(causal):
     """fa3_ops.sparse_fwd (keyword call, default scale, SparseBlocks) against the fp32 reference
     with the FA-2 LSE layout; refusal() is None for it and names block_size, head dim and paged."""
-    from flash_attn_sparse import SparseBlocks, fa3_ops
+    from flash_attn_sparse import SparseBlocks
+    from flash_attn_sparse.backends import fa3_ops
 
     assert fa3_ops.missing_build() is None
     batch, heads, heads_k, seqlen_q, seqlen_k, head_dim, q_block = 2, 4, 2, 256, 700, 128, 128
@@ -370,3 +371,32 @@ def test_wrapper_matches_the_reference_and_refuses_what_the_host_refuses(causal)
     assert "paged" in fa3_ops.refusal(q, k, blocks, varlen=False, paged=True)
     assert "q_block_size" in fa3_ops.refusal(q, k, SparseBlocks(full_cnt, full_idx, block_size=BLOCK, q_block_size=96),
                                              varlen=False)
+
+
+def test_backend_fa3_through_the_public_api():
+    """backend="fa3" runs the same kernel through flash_attn_with_sparse_block_table (permuted,
+    gapped per-K/V-head lists with an empty one), and refuses what the op does not take."""
+    import flash_attn_sparse as fas
+    from flash_attn_sparse import SparseBlocks, SparseInputError
+    from flash_attn_sparse.reference import attention_over_blocks
+    from helpers import random_qkv
+    g = torch.Generator(device="cuda").manual_seed(11)
+    q, k, v = random_qkv(2, 1, 8192, 16, 4, 128, torch.bfloat16, generator=g)
+    rows = [[[[40, 3, 17, 63]], [[9]], [[]], [[62, 0, 31]]] for _ in range(2)]
+    blocks = SparseBlocks.from_lists(rows, device="cuda")
+    out, lse = fas.flash_attn_with_sparse_block_table(q, k, v, blocks, backend="fa3")
+    for h in range(16):
+        listed = rows[0][h // 4][0]
+        if not listed:
+            assert torch.equal(out[:, :, h], torch.zeros_like(out[:, :, h])) and torch.isneginf(lse[:, h]).all()
+            continue
+        ref, ref_lse = attention_over_blocks(q[:, :, h:h + 1], k[:, :, h // 4:h // 4 + 1], v[:, :, h // 4:h // 4 + 1],
+                                             listed, 128, dtype=torch.float32)
+        low, _ = attention_over_blocks(q[:, :, h:h + 1], k[:, :, h // 4:h // 4 + 1], v[:, :, h // 4:h // 4 + 1],
+                                       listed, 128, dtype=torch.bfloat16)
+        err = (out[:, :, h:h + 1].float() - ref).abs().max().item()
+        assert err <= 2 * (low.float() - ref).abs().max().item() + 1e-5
+        assert (lse[:, h:h + 1] - ref_lse).abs().max().item() <= 1e-3
+    with pytest.raises(SparseInputError, match="seqused_k"):
+        fas.flash_attn_with_sparse_block_table(q, k, v, blocks, backend="fa3",
+                                               seqused_k=torch.full((2,), 8192, dtype=torch.int32, device="cuda"))

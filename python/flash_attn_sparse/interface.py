@@ -9,7 +9,7 @@ import torch
 from torch import Tensor
 
 from . import ops
-from .backends import BACKENDS, fa2, fa4
+from .backends import BACKENDS, fa2, fa3, fa4
 from .backends.device import MAX_SPLITS, num_sms
 from .calls import BlockTable, SparseCall, as_blocks
 from .metadata import SparseBlocks, fail
@@ -41,6 +41,10 @@ def choose(call: SparseCall) -> Tuple[str, str]:
     (a requested one that does is a SparseInputError naming its reason)."""
     if call.requested_backend == "fa2":
         return "fa2", "requested"
+    if call.requested_backend == "fa3":  # not chosen by auto until its crossovers are measured
+        if reason := fa3.refusal(call):
+            fail("backend", f"'fa3' cannot run this call: {reason}")
+        return "fa3", "requested"
     if torch.compiler.is_compiling():  # the FA-2 path is a custom op; the FA-4 one is not traceable
         if call.requested_backend == "fa4":
             fail("backend", "'fa4' cannot be traced by torch.compile; use 'fa2' or 'auto' there")

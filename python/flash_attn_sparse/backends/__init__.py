@@ -15,7 +15,7 @@ from typing import Optional, Protocol, Tuple
 
 from torch import Tensor
 
-from . import fa2, fa4
+from . import fa2, fa3, fa4
 
 
 class Backend(Protocol):
@@ -26,4 +26,4 @@ class Backend(Protocol):
     def run(self, call, splits: int) -> Tuple[Tensor, Tensor]: ...
 
 
-BACKENDS = {"fa2": fa2, "fa4": fa4}
+BACKENDS = {"fa2": fa2, "fa3": fa3, "fa4": fa4}

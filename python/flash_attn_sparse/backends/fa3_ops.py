@@ -15,7 +15,7 @@ from typing import Optional, Tuple
 import torch
 from torch import Tensor
 
-from flash_attn_sparse.metadata import SparseBlocks
+from ..metadata import SparseBlocks
 
 BLOCK_SIZE = 128  # kSparseBlockSize: one K/V block is one kernel tile_n
 TILE_M = 128  # query rows of a tile (tile_size_fwd_sm90_sparse), shared by the packed heads

@@ -1,0 +1,41 @@
+"""The FA-3 backend: sparse calls run by FA-3's C++ SM90 forward (`hopper/`) with block lists
+(patches/flash-attn-3, overlay hopper/flash_api_sparse.cpp; the op flash_attn_3_sparse::fwd in
+this build's flash_attn_3 wheel). fa3_ops holds the op wrapper and the kernel's host rules.
+
+Requested with backend="fa3"; `auto` does not choose it yet: its crossovers against fa2 / fa4
+are not measured (docs/performance.md). Beyond fa3_ops.refusal it refuses, with the reason:
+seqused_k, and a second K/V source for the mask lists (the speculative one-launch form), which
+the op does not take.
+"""
+
+from typing import Optional, Tuple
+
+from torch import Tensor
+
+from . import fa3_ops
+
+
+def refusal(call) -> Optional[str]:
+    """Why the FA-3 sparse kernel cannot run this call (shapes only, never syncs), or None."""
+    if call.seqused_k is not None:
+        return "the FA-3 sparse op takes no seqused_k"
+    if call.mask_source is not None:
+        return "the FA-3 sparse op reads one K/V source (no speculative one-launch form)"
+    reason = fa3_ops.refusal(call.q, call.k, call.effective_blocks(), varlen=call.varlen,
+                             paged=call.page_table is not None, max_seqlen_q=call.max_seqlen_q)
+    return reason or fa3_ops.missing_build()
+
+
+def num_splits(call) -> int:
+    """The requested split count, or 0: the op's host picks one from shapes."""
+    return call.requested_splits
+
+
+def run(call, splits: int) -> Tuple[Tensor, Tensor]:
+    varlen = call.varlen
+    return fa3_ops.sparse_fwd(call.q, call.k, call.v, call.effective_blocks(), softmax_scale=call.scale,
+                              causal=call.causal, num_splits=splits,
+                              cu_seqlens_q=call.cu_seqlens_q if varlen else None,
+                              cu_seqlens_k=call.cu_seqlens_k if varlen else None,
+                              max_seqlen_q=call.max_seqlen_q if varlen else None,
+                              max_seqlen_k=call.max_seqlen_k if varlen else None)
