@@ -91,7 +91,9 @@ def run(call: SparseCall, out: Optional[Tensor] = None) -> Tuple[Tensor, Tensor]
 
 def facts(t) -> tuple:
     """A tensor's identity facts (what a plan or the cache compares): shape, strides, dtype, device."""
-    return None if t is None else (tuple(t.shape), t.stride(), t.dtype, t.device)
+    if not isinstance(t, Tensor):
+        return None if t is None else (type(t),)
+    return tuple(t.shape), t.stride(), t.dtype, t.device
 
 
 def blocks_facts(b: SparseBlocks) -> tuple:

@@ -63,6 +63,17 @@ EXTENSION_ARGS = ("q", "k", "v", "full_cnt", "full_idx", "mask_cnt", "mask_idx",
                   "k_mask_source", "v_mask_source")
 
 
+def launch_direct(extension_args: dict, out: Tensor) -> Tensor:
+    """sparse_fwd into `out` straight through the extension, past the custom op's dispatch (not
+    traceable; plan.run's launch). extension_args: extension_args(op_args). Returns lse."""
+    return _cuda_module().sparse_fwd(**extension_args, out=out, out_partial=None, lse_partial=None, partial_offset=0)[1]
+
+
+def extension_args(op_args: dict) -> dict:
+    """The extension's keyword arguments of one forward, but its out and partial buffers."""
+    return dict({name: op_args[name] for name in EXTENSION_ARGS}, is_causal=op_args["causal"])
+
+
 def _extension_args(op_args: dict, out: Optional[Tensor] = None) -> dict:
     """sparse_fwd's keyword arguments from an op's own (named like them)."""
     return dict({name: op_args[name] for name in EXTENSION_ARGS}, out=out, is_causal=op_args["causal"])
