@@ -10,6 +10,7 @@ from .builders import (
     flex_block_mask_from_blocks,
     pack_varlen,
 )
+from .csr import blocks_from_csr
 from .interface import (
     choose_backend,
     choose_num_splits_for,
@@ -26,6 +27,7 @@ __all__ = [
     "SparseBlocks",
     "SparseInputError",
     "SparsePlan",
+    "blocks_from_csr",
     "blocks_from_cute_block_sparse_tensors",
     "blocks_from_flex_block_mask",
     "blocks_from_mask",
