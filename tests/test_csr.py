@@ -64,3 +64,33 @@ def test_bad_arguments_are_named(bad, match):
     args.update(bad)
     with pytest.raises(SparseInputError, match=match):
         fas.blocks_from_csr(args.pop("indptr"), args.pop("indices"), **args)
+
+
+# --- FlexAttention BlockMasks with broadcast batch / head dims (B=None, H=None) ---------------
+
+def test_a_broadcast_flex_block_mask_converts_and_passes_the_call_checks(monkeypatch):
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    from flash_attn_sparse import calls
+    block_mask = create_block_mask(lambda b, h, q, k: q >= k, B=None, H=None, Q_LEN=512, KV_LEN=512, device="cpu")
+    blocks = fas.blocks_from_flex_block_mask(block_mask)
+    assert blocks.full_cnt.shape == (1, 1, 4) and blocks.num_heads == 1
+    q = torch.randn(3, 512, 4, 64, dtype=torch.bfloat16)
+    k = torch.randn(3, 512, 2, 64, dtype=torch.bfloat16)
+    with pytest.raises(SparseInputError, match="^q: must be on a CUDA device"):  # every other check passed
+        fas.flash_attn_with_sparse_block_table(q, k, k, blocks, causal=True, validate="full")
+    seen = []
+    monkeypatch.setattr(calls, "require_cuda", lambda q: seen.append(q))
+    call = calls.SparseCall(q, k, k, blocks, causal=True, softmax_scale=None)
+    for name in ("full_cnt", "full_idx", "mask_cnt", "mask_idx"):
+        view, source = getattr(call.blocks, name), getattr(blocks, name)
+        assert view.shape[0] == 3 and view.stride(0) == 0 and view.data_ptr() == source.data_ptr()
+    assert seen
+
+
+def test_lists_of_another_batch_extent_are_still_refused():
+    blocks = fas.SparseBlocks(torch.ones(2, 1, 1, dtype=torch.int32), torch.zeros(2, 1, 1, 1, dtype=torch.int32))
+    q = torch.randn(3, 16, 4, 64, dtype=torch.bfloat16)
+    k = torch.randn(3, 512, 2, 64, dtype=torch.bfloat16)
+    with pytest.raises(SparseInputError, match="^full_cnt: batch extent must be 3, got 2"):
+        fas.flash_attn_with_sparse_block_table(q, k, k, blocks)

@@ -189,3 +189,14 @@ def test_a_plan_is_validated_like_the_one_shot_call():
         fas.SparsePlan(q, k, v, torch.tensor([0], dtype=torch.int32), block_size=128)
     with pytest.raises(SparseInputError, match="^blocks: "):
         fas.SparsePlan(q, k, v, torch.tensor([0], dtype=torch.int64), block_size=128)
+
+
+def test_batch_one_lists_broadcast_on_the_cached_path_too(fake_gpu):
+    q, k, v = qkv()
+    blocks = SparseBlocks(torch.full((1, HK, 1), 2, dtype=torch.int32), torch.zeros(1, HK, 1, 3, dtype=torch.int32))
+    for _ in range(2):
+        fas.flash_attn_with_sparse_block_table(q, k, v, blocks, backend="fa2")
+    assert fake_gpu["validations"] == 1
+    for _, args in fake_gpu["launches"]:
+        assert args["full_cnt"].shape == (B, HK, 1) and args["full_cnt"].stride(0) == 0
+        assert args["full_idx"].data_ptr() == blocks.full_idx.data_ptr()

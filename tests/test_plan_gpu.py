@@ -158,3 +158,25 @@ def test_print_host_time(backend):
     one_shot_us = _median_host_us(lambda: fas.flash_attn_with_sparse_block_table(q, k, v, blocks, backend=backend, out=out))
     print(f"\nhost time per call, {backend} ({plan.backend}, {plan.num_splits} splits): plan.run {plan_us:.1f} us, "
           f"one-shot {one_shot_us:.1f} us")
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_broadcast_flex_block_mask_runs_like_its_lists_per_batch(backend):
+    """A BlockMask made with B=None, H=None (batch and head extents 1) over a batch of 2 equals
+    the same lists materialised per batch, and the causal reference."""
+    needs(backend)
+    from torch.nn.attention.flex_attention import create_block_mask
+    seqlen = 1024
+    g = torch.Generator(device="cuda").manual_seed(11)
+    q, k, v = random_qkv(B, seqlen, seqlen, H, HK, D, torch.bfloat16, generator=g)
+    mask = create_block_mask(lambda b, h, i, j: i >= j, B=None, H=None, Q_LEN=seqlen, KV_LEN=seqlen, device="cuda")
+    blocks = fas.blocks_from_flex_block_mask(mask)
+    assert blocks.full_cnt.shape[:2] == (1, 1)
+    out, lse = fas.flash_attn_with_sparse_block_table(q, k, v, blocks, causal=True, backend=backend)
+    per_batch = SparseBlocks(*(t.expand(B, *t.shape[1:]).contiguous() for t in
+                               (blocks.full_cnt, blocks.full_idx, blocks.mask_cnt, blocks.mask_idx)),
+                             block_size=blocks.block_size, q_block_size=blocks.q_block_size)
+    ref_out, ref_lse = fas.flash_attn_with_sparse_block_table(q, k, v, per_batch, causal=True, backend=backend)
+    assert torch.equal(out, ref_out) and torch.equal(lse, ref_lse)
+    visible = torch.ones(seqlen, seqlen, dtype=torch.bool, device="cuda").tril()
+    assert_close_to_reference(out, lse, q, k, v, visible)

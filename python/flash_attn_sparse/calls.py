@@ -66,6 +66,19 @@ def as_blocks(table: BlockTable, block_size: int, batch: int, name: str) -> Spar
     return SparseBlocks.from_block_table(table, block_size, batch_size=batch)
 
 
+def broadcast_batch(blocks: SparseBlocks, batch: int) -> SparseBlocks:
+    """Batched lists of batch extent 1 (e.g. a FlexAttention BlockMask made with B=None) as
+    stride-0 views over `batch` sequences; other lists as they are."""
+    tables = [t for t in (blocks.full_cnt, blocks.full_idx, blocks.mask_cnt, blocks.mask_idx) if t is not None]
+    if (blocks.is_varlen or batch == 1 or not all(isinstance(t, Tensor) and t.dim() in (3, 4) and t.shape[0] == 1
+                                                   for t in tables)):
+        return blocks  # nothing to broadcast, or malformed lists that validate_blocks reports
+    def expand(t: Optional[Tensor]) -> Optional[Tensor]:
+        return None if t is None else t.expand(batch, *t.shape[1:])
+    return SparseBlocks(expand(blocks.full_cnt), expand(blocks.full_idx), expand(blocks.mask_cnt), expand(blocks.mask_idx),
+                        block_size=blocks.block_size, q_block_size=blocks.q_block_size)
+
+
 def check_num_splits(num_splits) -> None:
     if not isinstance(num_splits, int) or isinstance(num_splits, bool) or not 0 <= num_splits <= MAX_SPLITS:
         fail("num_splits", f"must be an int in [0, {MAX_SPLITS}] (0 picks automatically), got {num_splits!r}")
@@ -180,6 +193,8 @@ class SparseCall:
             fail("causal", f"must be a bool, got {causal!r}")
         if not isinstance(blocks, SparseBlocks):
             fail(table_name, f"must be SparseBlocks, got {type(blocks).__name__}")
+        if not varlen:
+            blocks = broadcast_batch(blocks, batch)
         validate_blocks(blocks, batch_size=batch, num_heads=q.shape[-2], num_heads_k=k.shape[-2],
                         max_seqlen_q=max_seqlen_q, device=q.device, varlen=varlen)
         if page_table is not None:

@@ -12,7 +12,7 @@ from torch import Tensor
 from . import ops
 from .backends import BACKENDS, fa2, fa4
 from .backends.device import MAX_SPLITS, num_sms
-from .calls import TENSOR_FIELDS, BlockTable, SparseCall, as_blocks, check_out
+from .calls import TENSOR_FIELDS, BlockTable, SparseCall, as_blocks, broadcast_batch, check_out
 from .metadata import SparseBlocks, exhaustive_validation_requested, fail
 
 # auto sends a fixed-length call to the Hopper (FA-4) backend when the query heads of a K/V head
@@ -134,6 +134,8 @@ def run_cached(q, k, v, blocks: SparseBlocks, out: Optional[Tensor], validate: O
         if q.stride(-1) != 1 or k.stride(-1) != 1 or v.stride(-1) != 1:
             q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
     check_out(out, q)
+    if not decision.call.varlen:
+        blocks = broadcast_batch(blocks, decision.call.batch)
     return decision.run(decision.call.rebind(q=q, k=k, v=v, blocks=blocks, **tensors), out)
 
 

@@ -48,6 +48,7 @@ class SparsePlan:
         for name, t in (("q", q), ("k", k), ("v", v)):
             if t.stride(-1) != 1:
                 fail(name, f"a plan runs tensors with a contiguous last dimension, got strides {t.stride()}")
+        self.blocks = call.blocks  # batch-broadcast views of the caller's lists, where they had batch 1
         self._decision = Decision(call)
         self.backend, self.why, self.num_splits = self._decision.backend, self._decision.why, self._decision.num_splits
         self._facts = (facts(q), facts(k), facts(v))
