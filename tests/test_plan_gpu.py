@@ -180,3 +180,31 @@ def test_a_broadcast_flex_block_mask_runs_like_its_lists_per_batch(backend):
     assert torch.equal(out, ref_out) and torch.equal(lse, ref_lse)
     visible = torch.ones(seqlen, seqlen, dtype=torch.bool, device="cuda").tril()
     assert_close_to_reference(out, lse, q, k, v, visible)
+
+
+@pytest.mark.parametrize("form", ["zero copy", "gathered, one launch", "gathered, two passes"])
+def test_the_speculative_forms_write_out_in_place(form):
+    q, k, v = inputs(12, seqlen_q=16)
+    spec_ids, missed_ids = [15, 14], [3, 9, 0]
+    spec = torch.tensor(spec_ids, dtype=torch.int32, device="cuda")
+    missed = torch.tensor(missed_ids, dtype=torch.int32, device="cuda")
+    if form == "zero copy":
+        def call(**out):
+            return fas.flash_attn_speculative_sparse_zero_copy(q, k, v, spec, missed, block_size=BS, causal_spec=False,
+                                                               backend="fa2", **out)
+    else:
+        positions = block_positions(spec_ids, BS, SK).cuda()
+        k_spec, v_spec = k[:, positions].contiguous(), v[:, positions].contiguous()
+        block_size = BS if form == "gathered, one launch" else 16  # below a kernel tile: the two-pass form
+
+        def call(**out):
+            table = missed if block_size == BS else torch.tensor([i * (BS // 16) + j for i in missed_ids
+                                                                  for j in range(BS // 16)], dtype=torch.int32,
+                                                                 device="cuda")
+            return fas.flash_attn_speculative_sparse(q, k_spec, v_spec, k, v, table, block_size=block_size,
+                                                     causal_spec=False, backend="fa2", **out)
+    expected_out, expected_lse = call()
+    out = torch.full_like(q, float("nan"))
+    result, lse = call(out=out)
+    assert result is out and torch.equal(out, expected_out) and torch.equal(lse, expected_lse)
+    assert_close_to_reference(out, lse, q, k, v, visible_for(torch.tensor(spec_ids + missed_ids), seqlen_q=16))
