@@ -200,3 +200,30 @@ def test_batch_one_lists_broadcast_on_the_cached_path_too(fake_gpu):
     for _, args in fake_gpu["launches"]:
         assert args["full_cnt"].shape == (B, HK, 1) and args["full_cnt"].stride(0) == 0
         assert args["full_idx"].data_ptr() == blocks.full_idx.data_ptr()
+
+
+def test_a_batched_fa4_plan_converts_its_lists_once_as_views(fake_gpu, monkeypatch):
+    from flash_attn_sparse.backends import cute, fa4
+    converted, launched = [], []
+
+    def flash_attn_func(q, k, v, **arguments):
+        launched.append((q, arguments))
+        return torch.full_like(q, 2.0), torch.zeros(q.shape[0], q.shape[2], q.shape[1])
+
+    flash_attn_4 = type("flash_attn_4", (), {"BlockSparseTensorsTorch": lambda **fields: converted.append(fields) or fields,
+                                             "flash_attn_func": staticmethod(flash_attn_func)})
+    for module in (cute, fa4):
+        monkeypatch.setattr(module, "import_cute", lambda name: flash_attn_4, raising=False)
+    monkeypatch.setattr(fa4, "refusal", lambda call: None)  # conftest keeps other tests on FA-2; no SM90 here
+    monkeypatch.setattr(fa4, "num_sms", lambda index: 132)
+    q, k, v = qkv()
+    blocks = SparseBlocks(torch.full((B, HK, 1), 2, dtype=torch.int32), torch.zeros(B, HK, 1, 3, dtype=torch.int32))
+    plan = fas.SparsePlan(q, k, v, blocks, backend="fa4")
+    runs = [qkv() for _ in range(3)]
+    for q_i, k_i, v_i in runs:
+        out, _ = plan.run(q_i, k_i, v_i)
+        assert out is plan.out and (out == 2).all()
+    assert len(converted) == 1 and fake_gpu["validations"] == 1
+    assert converted[0]["full_block_idx"].data_ptr() == blocks.full_idx.data_ptr()
+    assert [q_i for q_i, _ in launched] == [q_i for q_i, _, _ in runs]
+    assert all(arguments["block_sparse_tensors"] is converted[0] for _, arguments in launched)

@@ -9,7 +9,7 @@ import torch
 from torch import Tensor
 
 from . import ops
-from .backends import BACKENDS, fa2
+from .backends import BACKENDS, fa2, fa4
 from .calls import BlockTable, SparseCall, as_blocks, check_out
 from .interface import Decision, facts
 from .metadata import fail
@@ -28,7 +28,10 @@ class SparsePlan:
     tensors): update them in place between runs, within the shapes planned (list capacity,
     pages), and the next run sees them. On the FA-2 backend run launches the extension directly
     (no custom-op dispatch, no allocation but lse's, no host sync), so it can be captured in a
-    CUDA graph; the FA-4 backend runs flash-attn-4's forward and copies into out.
+    CUDA graph. On the FA-4 backend a batched plan converts the lists to flash-attn-4's
+    block-sparse tensors (views) once and run calls flash-attn-4's forward (its own Python
+    dispatch and compile-cache lookup remain, and it allocates its output, copied into out); a
+    varlen FA-4 plan converts its lists on each run.
     """
 
     def __init__(self, q: Tensor, k: Tensor, v: Tensor, blocks: BlockTable, *, block_size: int = 128,
@@ -55,9 +58,11 @@ class SparsePlan:
         self.out = torch.empty_like(q)
         self._out_facts = facts(self.out)
         # The extension's arguments, the lists included, bound once: run adds q, k, v.
-        self._extension_args = None
+        self._extension_args = self._fa4_entry = None
         if self.backend == "fa2":
             self._extension_args = dict(ops.extension_args(fa2.op_args(call, self.num_splits)), q=None, k=None, v=None)
+        elif not call.varlen:  # flash-attn-4's block-sparse tensors: views of the lists, converted once
+            self._fa4_entry = fa4.call_entry(call, self.num_splits)
 
     def run(self, q: Tensor, k: Tensor, v: Tensor, out: Optional[Tensor] = None) -> Tuple[Tensor, Tensor]:
         """(out, lse) of the planned forward over q, k, v (see the class)."""
@@ -67,6 +72,10 @@ class SparsePlan:
             out = self.out
         elif facts(out) != self._out_facts:
             check_out(out, q)  # names what differs; an out of other strides but a contiguous last dim runs
+        if self._fa4_entry is not None:
+            result, lse = fa4.launch_entry(self._fa4_entry, q, k, v)
+            out.copy_(result)
+            return out, lse
         if self._extension_args is None:
             return BACKENDS[self.backend].run(self._decision.call.rebind(q=q, k=k, v=v), self.num_splits, out)
         return out, ops.launch_direct(dict(self._extension_args, q=q, k=k, v=v), out)
