@@ -49,6 +49,8 @@ def auto_stays_on_fa2(request, monkeypatch):
     """Outside the stage-4 tests backend="auto" takes FA-2, so that the tests of the FA-2 kernels
     test them on a machine with the FA-4 runtime too: there auto sends most fixed-length calls
     to FA-4 (test_stage4_fa4.py tests that routing and FA-4's results)."""
+    from flash_attn_sparse import interface
+    interface._decisions.clear()  # the one-shot cache would carry one test's routing into the next
     if request.module.__name__ not in MODULES_THAT_ROUTE_TO_FA4:
         from flash_attn_sparse.backends import fa4
         monkeypatch.setattr(fa4, "refusal", lambda *args, **kwargs: "FA-2 kept by tests/conftest.py")

@@ -10,6 +10,7 @@ from .builders import (
     flex_block_mask_from_blocks,
     pack_varlen,
 )
+from .csr import blocks_from_csr
 from .interface import (
     choose_backend,
     choose_num_splits_for,
@@ -19,11 +20,14 @@ from .interface import (
     flash_attn_with_sparse_block_table,
 )
 from .metadata import SparseBlocks, SparseInputError
+from .plan import SparsePlan, plan
 from .speculative import flash_attn_speculative_sparse, flash_attn_speculative_sparse_zero_copy
 
 __all__ = [
     "SparseBlocks",
     "SparseInputError",
+    "SparsePlan",
+    "blocks_from_csr",
     "blocks_from_cute_block_sparse_tensors",
     "blocks_from_flex_block_mask",
     "blocks_from_mask",
@@ -38,5 +42,6 @@ __all__ = [
     "flash_attn_with_sparse_block_table",
     "flex_block_mask_from_blocks",
     "pack_varlen",
+    "plan",
     "to_cute_block_sparse_tensors",
 ]

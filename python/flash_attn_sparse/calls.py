@@ -2,6 +2,7 @@
 metadata.validate_blocks / validate_block_contents for the lists) and holds what the backends
 decide from. interface.py routes it; backends/ run it."""
 
+import copy
 import math
 from typing import Optional, Tuple, Union
 
@@ -65,6 +66,19 @@ def as_blocks(table: BlockTable, block_size: int, batch: int, name: str) -> Spar
     return SparseBlocks.from_block_table(table, block_size, batch_size=batch)
 
 
+def broadcast_batch(blocks: SparseBlocks, batch: int) -> SparseBlocks:
+    """Batched lists of batch extent 1 (e.g. a FlexAttention BlockMask made with B=None) as
+    stride-0 views over `batch` sequences; other lists as they are."""
+    tables = [t for t in (blocks.full_cnt, blocks.full_idx, blocks.mask_cnt, blocks.mask_idx) if t is not None]
+    if (blocks.is_varlen or batch == 1 or not all(isinstance(t, Tensor) and t.dim() in (3, 4) and t.shape[0] == 1
+                                                   for t in tables)):
+        return blocks  # nothing to broadcast, or malformed lists that validate_blocks reports
+    def expand(t: Optional[Tensor]) -> Optional[Tensor]:
+        return None if t is None else t.expand(batch, *t.shape[1:])
+    return SparseBlocks(expand(blocks.full_cnt), expand(blocks.full_idx), expand(blocks.mask_cnt), expand(blocks.mask_idx),
+                        block_size=blocks.block_size, q_block_size=blocks.q_block_size)
+
+
 def check_num_splits(num_splits) -> None:
     if not isinstance(num_splits, int) or isinstance(num_splits, bool) or not 0 <= num_splits <= MAX_SPLITS:
         fail("num_splits", f"must be an int in [0, {MAX_SPLITS}] (0 picks automatically), got {num_splits!r}")
@@ -122,6 +136,27 @@ def _validate_seqused_and_pages(seqused_k: Optional[Tensor], page_table: Optiona
                 fail("page_table", f"batch {b}: page id {int(bad[0])} outside [0, {num_pages})")
 
 
+def require_cuda(q: Tensor) -> None:
+    if q.device.type != "cuda":
+        fail("q", f"must be on a CUDA device, got {q.device}")
+
+
+def check_out(out: Optional[Tensor], q: Tensor) -> None:
+    """out= of the entry points: a tensor like q (shape, dtype, device) with a contiguous last
+    dimension, which the forward overwrites."""
+    if out is None:
+        return
+    if not isinstance(out, Tensor):
+        fail("out", f"must be a tensor, got {type(out).__name__}")
+    if out.shape != q.shape or out.dtype != q.dtype or out.device != q.device:
+        fail("out", f"must be like q ({tuple(q.shape)}, {q.dtype}, {q.device}), got ({tuple(out.shape)}, {out.dtype}, {out.device})")
+    if out.numel() and out.stride(-1) != 1:
+        fail("out", f"must have a contiguous last dimension, got strides {out.stride()}")
+
+
+TENSOR_FIELDS = ("q", "k", "v", "blocks", "cu_seqlens_q", "cu_seqlens_k", "seqused_k", "page_table")
+
+
 class SparseCall:
     """One validated sparse forward: every argument check of the entry points, and the shapes the
     backends decide from (nothing here launches or syncs, unless validate="full" asks)."""
@@ -158,6 +193,8 @@ class SparseCall:
             fail("causal", f"must be a bool, got {causal!r}")
         if not isinstance(blocks, SparseBlocks):
             fail(table_name, f"must be SparseBlocks, got {type(blocks).__name__}")
+        if not varlen:
+            blocks = broadcast_batch(blocks, batch)
         validate_blocks(blocks, batch_size=batch, num_heads=q.shape[-2], num_heads_k=k.shape[-2],
                         max_seqlen_q=max_seqlen_q, device=q.device, varlen=varlen)
         if page_table is not None:
@@ -175,9 +212,7 @@ class SparseCall:
                 seqlens_k = seqused_k.tolist()
             validate_block_contents(blocks, causal=causal, seqlens_q=seqlens_q, seqlens_k=seqlens_k)
         self.scale = resolve_scale(softmax_scale, q.shape[-1])
-        # Last, so that every other check also runs (and is tested) on CPU tensors.
-        if q.device.type != "cuda":
-            fail("q", f"must be on a CUDA device, got {q.device}")
+        require_cuda(q)  # last, so that every other check also runs (and is tested) on CPU tensors
         self.q, self.k, self.v, self.blocks = q, k, v, blocks
         self.batch, self.varlen = batch, varlen
         self.max_seqlen_q, self.max_seqlen_k = max_seqlen_q, max_seqlen_k
@@ -186,6 +221,17 @@ class SparseCall:
         self.page_table = page_table
         self.mask_lists = None  # (mask_cnt, mask_idx) replacing the blocks' own; see use_mask_lists
         self.mask_source = None  # (k, v) the mask lists name blocks of, when not self.k / self.v
+
+    def rebind(self, **tensors) -> "SparseCall":
+        """A copy of this validated call over other tensors (TENSOR_FIELDS) of the same shapes,
+        strides, dtypes and devices (the caller has compared them): what a plan or the one-shot
+        cache runs without validating again. None of TENSOR_FIELDS passed stays as it is."""
+        bound = copy.copy(self)
+        for name, value in tensors.items():
+            if name not in TENSOR_FIELDS:
+                raise TypeError(f"rebind: unknown field {name!r}")
+            setattr(bound, name, value)
+        return bound
 
     def use_mask_lists(self, shared: SparseBlocks, source: Optional[Tuple[Tensor, Tensor]] = None,
                        causal: Optional[bool] = None) -> None:

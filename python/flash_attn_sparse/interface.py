@@ -3,6 +3,7 @@ routing between the backends (backends/). The speculative forms are in speculati
 
 import logging
 import math
+from collections import OrderedDict
 from typing import Optional, Sequence, Tuple
 
 import torch
@@ -11,8 +12,8 @@ from torch import Tensor
 from . import ops
 from .backends import BACKENDS, fa2, fa3, fa4
 from .backends.device import MAX_SPLITS, num_sms
-from .calls import BlockTable, SparseCall, as_blocks
-from .metadata import SparseBlocks, fail
+from .calls import TENSOR_FIELDS, BlockTable, SparseCall, as_blocks, broadcast_batch, check_out
+from .metadata import SparseBlocks, exhaustive_validation_requested, fail
 
 # auto sends a fixed-length call to the Hopper (FA-4) backend when the query heads of a K/V head
 # share its tiles (GQA packing: shared or per-K/V-head lists), or when its 128-row tiles hold at
@@ -29,9 +30,6 @@ from .metadata import SparseBlocks, fail
 FA4_MIN_TILE_ROWS = 64
 FA4_MIN_QUERY_ROWS = 128
 FA4_MIN_SM_SHARE = 0.75
-
-logger = logging.getLogger("flash_attn_sparse")
-
 
 logger = logging.getLogger("flash_attn_sparse")
 
@@ -75,19 +73,82 @@ def choose(call: SparseCall) -> Tuple[str, str]:
     return "fa4", f"{ctas} FA-4 tiles of {fa4.TILE_ROWS} rows for {sms} SMs"
 
 
-def run(call: SparseCall) -> Tuple[Tensor, Tensor]:
-    name, why = choose(call)
-    if not torch.compiler.is_compiling() and logger.isEnabledFor(logging.DEBUG):
-        logger.debug("sparse forward on %s (%s)", name, why)
-    backend = BACKENDS[name]
-    return backend.run(call, backend.num_splits(call))
+class Decision:
+    """What planning a call decides: the validated call (its tensors dropped when cached), the
+    backend and its split count."""
+
+    def __init__(self, call: SparseCall):
+        self.backend, self.why = choose(call)
+        self.num_splits = BACKENDS[self.backend].num_splits(call)
+        self.call = call
+
+    def run(self, call: SparseCall, out: Optional[Tensor] = None) -> Tuple[Tensor, Tensor]:
+        if not torch.compiler.is_compiling() and logger.isEnabledFor(logging.DEBUG):
+            logger.debug("sparse forward on %s (%s)", self.backend, self.why)
+        return BACKENDS[self.backend].run(call, self.num_splits, out)
+
+
+def run(call: SparseCall, out: Optional[Tensor] = None) -> Tuple[Tensor, Tensor]:
+    """Routes and runs one validated call (no cache: the speculative forms build theirs)."""
+    return Decision(call).run(call, out)
+
+
+def facts(t) -> tuple:
+    """A tensor's identity facts (what a plan or the cache compares): shape, strides, dtype, device."""
+    if not isinstance(t, Tensor):
+        return None if t is None else (type(t),)
+    return tuple(t.shape), t.stride(), t.dtype, t.device
+
+
+def blocks_facts(b: SparseBlocks) -> tuple:
+    return (b.block_size, b.q_block_size) + tuple(facts(getattr(b, name)) for name in BLOCKS_TENSORS)
+
+
+BLOCKS_TENSORS = ("full_cnt", "full_idx", "mask_cnt", "mask_idx", "cu_total_m_blocks", "cu_block_idx_offsets")
+CACHE_SIZE = 64
+_decisions: "OrderedDict[tuple, Decision]" = OrderedDict()
+
+
+def run_cached(q, k, v, blocks: SparseBlocks, out: Optional[Tensor], validate: Optional[str],
+               **options) -> Tuple[Tensor, Tensor]:
+    """The one-shot forward through a cache of decisions keyed on the tensors' facts and the
+    options (never their data): a repeated shape skips validation, routing and the split choice.
+    Calls that ask for exhaustive validation, are traced, or pass odd inputs are not cached."""
+    tensors = {name: options.pop(name, None) for name in ("cu_seqlens_q", "cu_seqlens_k", "seqused_k", "page_table")}
+    cacheable = (not exhaustive_validation_requested(validate) and not torch.compiler.is_compiling()
+                 and all(isinstance(t, Tensor) for t in (q, k, v)) and isinstance(blocks, SparseBlocks)
+                 and all(t is None or isinstance(t, Tensor) for t in tensors.values()))
+    if not cacheable:
+        call = SparseCall(q, k, v, blocks, validate=validate, **tensors, **options)
+        check_out(out, call.q)
+        return run(call, out)
+    key = (facts(q), facts(k), facts(v), blocks_facts(blocks), tuple(sorted(options.items())),
+           tuple(facts(t) for t in tensors.values()))
+    decision = _decisions.get(key)
+    if decision is None:
+        call = SparseCall(q, k, v, blocks, **tensors, **options)
+        decision = Decision(call)
+        decision.call = call.rebind(**dict.fromkeys(TENSOR_FIELDS))  # keep no caller's tensor alive
+        _decisions[key] = decision
+        if len(_decisions) > CACHE_SIZE:
+            _decisions.popitem(last=False)
+        q, k, v = call.q, call.k, call.v  # contiguous where the kernels need it
+    else:
+        _decisions.move_to_end(key)
+        if q.stride(-1) != 1 or k.stride(-1) != 1 or v.stride(-1) != 1:
+            q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
+    check_out(out, q)
+    if not decision.call.varlen:
+        blocks = broadcast_batch(blocks, decision.call.batch)
+    return decision.run(decision.call.rebind(q=q, k=k, v=v, blocks=blocks, **tensors), out)
 
 
 def flash_attn_with_sparse_block_table(q: Tensor, k: Tensor, v: Tensor, sparse_block_table: BlockTable, *,
                                        block_size: int = 128, softmax_scale: Optional[float] = None,
                                        causal: bool = False, num_splits: int = 0, backend: str = "auto",
                                        validate: Optional[str] = None, seqused_k: Optional[Tensor] = None,
-                                       page_table: Optional[Tensor] = None) -> Tuple[Tensor, Tensor]:
+                                       page_table: Optional[Tensor] = None,
+                                       out: Optional[Tensor] = None) -> Tuple[Tensor, Tensor]:
     """Attention of q over the K/V blocks named by sparse_block_table. Returns (out, lse).
 
     q: (batch, seqlen_q, heads, head_dim); k, v: (batch, seqlen_k, heads_k, head_dim), fp16/bf16.
@@ -110,27 +171,28 @@ def flash_attn_with_sparse_block_table(q: Tensor, k: Tensor, v: Tensor, sparse_b
     its 128-row tiles hold 64+ query rows, else FA-2; stages/stage4.md);
     `choose_backend` tells which and `choose_num_splits_for` the split count, and the
     "flash_attn_sparse" logger says so at DEBUG.
+    out: optional tensor like q (contiguous last dim) that receives the output (FA-4: by a copy).
+    Repeated calls of one shape reuse the planning (run_cached); SparsePlan plans explicitly.
     """
     blocks = as_blocks(sparse_block_table, block_size, q.shape[0] if isinstance(q, Tensor) and q.dim() == 4 else 1,
                         "sparse_block_table")
-    call = SparseCall(q, k, v, blocks, causal=causal, softmax_scale=softmax_scale, num_splits=num_splits, validate=validate,
-                 backend=backend, seqused_k=seqused_k, page_table=page_table)
-    return run(call)
+    return run_cached(q, k, v, blocks, out, validate, causal=causal, softmax_scale=softmax_scale,
+                      num_splits=num_splits, backend=backend, seqused_k=seqused_k, page_table=page_table)
 
 
 def flash_attn_varlen_with_sparse_blocks(q: Tensor, k: Tensor, v: Tensor, blocks: SparseBlocks, *, cu_seqlens_q: Tensor,
                                          cu_seqlens_k: Tensor, max_seqlen_q: int, max_seqlen_k: int,
                                          softmax_scale: Optional[float] = None, causal: bool = False,
                                          num_splits: int = 0, backend: str = "auto", validate: Optional[str] = None,
-                                         seqused_k: Optional[Tensor] = None) -> Tuple[Tensor, Tensor]:
+                                         seqused_k: Optional[Tensor] = None,
+                                         out: Optional[Tensor] = None) -> Tuple[Tensor, Tensor]:
     """Varlen form: q (total_q, heads, head_dim), k, v (total_k, heads_k, head_dim) packed by
     cu_seqlens; blocks in the varlen layout. Returns out like q and lse (heads, total_q).
-    backend as in flash_attn_with_sparse_block_table."""
-    call = SparseCall(q, k, v, blocks, causal=causal, softmax_scale=softmax_scale, num_splits=num_splits,
-                 cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q,
-                 max_seqlen_k=max_seqlen_k, seqused_k=seqused_k, validate=validate, table_name="blocks",
-                 backend=backend)
-    return run(call)
+    backend and out as in flash_attn_with_sparse_block_table."""
+    return run_cached(q, k, v, blocks, out, validate, causal=causal, softmax_scale=softmax_scale,
+                      num_splits=num_splits, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
+                      max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, seqused_k=seqused_k,
+                      table_name="blocks", backend=backend)
 
 
 def _call_to_choose_for(q, k, v, blocks: BlockTable, block_size: int, *, causal: bool = False,

@@ -63,9 +63,20 @@ EXTENSION_ARGS = ("q", "k", "v", "full_cnt", "full_idx", "mask_cnt", "mask_idx",
                   "k_mask_source", "v_mask_source")
 
 
-def _extension_args(op_args: dict) -> dict:
-    """sparse_fwd's keyword arguments from an op's own (named like them), with out=None."""
-    return dict({name: op_args[name] for name in EXTENSION_ARGS}, out=None, is_causal=op_args["causal"])
+def launch_direct(extension_args: dict, out: Tensor) -> Tensor:
+    """sparse_fwd into `out` straight through the extension, past the custom op's dispatch (not
+    traceable; plan.run's launch). extension_args: extension_args(op_args). Returns lse."""
+    return _cuda_module().sparse_fwd(**extension_args, out=out, out_partial=None, lse_partial=None, partial_offset=0)[1]
+
+
+def extension_args(op_args: dict) -> dict:
+    """The extension's keyword arguments of one forward, but its out and partial buffers."""
+    return dict({name: op_args[name] for name in EXTENSION_ARGS}, is_causal=op_args["causal"])
+
+
+def _extension_args(op_args: dict, out: Optional[Tensor] = None) -> dict:
+    """sparse_fwd's keyword arguments from an op's own (named like them)."""
+    return dict({name: op_args[name] for name in EXTENSION_ARGS}, out=out, is_causal=op_args["causal"])
 
 
 @torch.library.custom_op("flash_attn_sparse::fwd", mutates_args=(), device_types="cuda")
@@ -87,12 +98,35 @@ def sparse_fwd(q: Tensor, k: Tensor, v: Tensor, full_cnt: Tensor, full_idx: Tens
 def _(q, k, v, full_cnt, full_idx, mask_cnt, mask_idx, cu_seqlens_q, cu_seqlens_k, seqused_k,
       cu_total_m_blocks, cu_block_idx_offsets, max_seqlen_q, max_seqlen_k, block_size, q_block_size,
       softmax_scale, causal, num_splits, pack_gqa, page_table, k_mask_source, v_mask_source):
-    out = torch.empty_like(q)
-    if cu_seqlens_q is not None:
-        lse = q.new_empty((q.shape[1], q.shape[0]), dtype=torch.float32)
-    else:
-        lse = q.new_empty((q.shape[0], q.shape[2], q.shape[1]), dtype=torch.float32)
-    return out, lse
+    return torch.empty_like(q), _lse_like(q, cu_seqlens_q is not None)
+
+
+@torch.library.custom_op("flash_attn_sparse::fwd_out", mutates_args=("out",), device_types="cuda")
+def sparse_fwd_out(q: Tensor, k: Tensor, v: Tensor, full_cnt: Tensor, full_idx: Tensor,
+                   mask_cnt: Optional[Tensor], mask_idx: Optional[Tensor],
+                   cu_seqlens_q: Optional[Tensor], cu_seqlens_k: Optional[Tensor], seqused_k: Optional[Tensor],
+                   cu_total_m_blocks: Optional[Tensor], cu_block_idx_offsets: Optional[Tensor],
+                   max_seqlen_q: int, max_seqlen_k: int, block_size: int, q_block_size: int,
+                   softmax_scale: float, causal: bool, num_splits: int, pack_gqa: bool,
+                   page_table: Optional[Tensor], k_mask_source: Optional[Tensor],
+                   v_mask_source: Optional[Tensor], out: Tensor) -> Tensor:
+    """sparse_fwd writing the output into `out` (like q, contiguous last dim); returns lse."""
+    args = {name: value for name, value in locals().items() if name != "out"}
+    _, lse = _cuda_module().sparse_fwd(**_extension_args(args, out), out_partial=None, lse_partial=None,
+                                       partial_offset=0)
+    return lse
+
+
+@sparse_fwd_out.register_fake
+def _(q, k, v, full_cnt, full_idx, mask_cnt, mask_idx, cu_seqlens_q, cu_seqlens_k, seqused_k,
+      cu_total_m_blocks, cu_block_idx_offsets, max_seqlen_q, max_seqlen_k, block_size, q_block_size,
+      softmax_scale, causal, num_splits, pack_gqa, page_table, k_mask_source, v_mask_source, out):
+    return _lse_like(q, cu_seqlens_q is not None)
+
+
+def _lse_like(q: Tensor, varlen: bool) -> Tensor:
+    shape = (q.shape[1], q.shape[0]) if varlen else (q.shape[0], q.shape[2], q.shape[1])
+    return q.new_empty(shape, dtype=torch.float32)
 
 
 @torch.library.custom_op("flash_attn_sparse::fwd_partial", mutates_args=("out_partial", "lse_partial"), device_types="cuda")

@@ -9,7 +9,7 @@ from torch import Tensor
 from . import ops
 from .backends import fa2
 from .backends.device import MAX_SPLITS
-from .calls import BlockTable, SparseCall, as_blocks
+from .calls import BlockTable, SparseCall, as_blocks, check_out
 from .interface import FA4_MIN_QUERY_ROWS, choose, run
 from .metadata import SparseBlocks, cdiv, exhaustive_validation_requested, fail, int_range, validate_block_contents
 
@@ -41,7 +41,8 @@ def flash_attn_speculative_sparse(q: Tensor, k_spec: Tensor, v_spec: Tensor, k: 
                                   softmax_scale: Optional[float] = None, causal_spec: bool = True,
                                   num_splits: int = 0, backend: str = "auto", validate: Optional[str] = None,
                                   seqused_k: Optional[Tensor] = None,
-                                  page_table: Optional[Tensor] = None) -> Tuple[Tensor, Tensor]:
+                                  page_table: Optional[Tensor] = None,
+                                  out: Optional[Tensor] = None) -> Tuple[Tensor, Tensor]:
     """Speculative + repair: attention over the caller-gathered speculative K/V (k_spec, v_spec;
     it holds the diagonal, causal when causal_spec) merged exactly with attention over the
     missed blocks of the full K/V (sparse_block_table, all "full": every key visible to every
@@ -56,7 +57,9 @@ def flash_attn_speculative_sparse(q: Tensor, k_spec: Tensor, v_spec: Tensor, k: 
     kernel tile, no mask lists in the missed set), one launch on the missed pass's backend: the
     missed blocks are the call's "full" blocks and the speculative ones its "mask" blocks, read
     from k_spec / v_spec. Otherwise two passes write fp32 partials into one buffer and the sparse
-    combine kernel merges them (on FA-4: the prefill form). The same attention every way."""
+    combine kernel merges them (on FA-4: the prefill form). The same attention every way.
+    out: as in flash_attn_with_sparse_block_table (written in place by the one-launch form on
+    FA-2, filled by a copy otherwise)."""
     batch = q.shape[0] if isinstance(q, Tensor) and q.dim() == 4 else 1
     missed = as_blocks(sparse_block_table, block_size, batch, "sparse_block_table")
     if not isinstance(k_spec, Tensor) or k_spec.dim() != 4:
@@ -66,6 +69,7 @@ def flash_attn_speculative_sparse(q: Tensor, k_spec: Tensor, v_spec: Tensor, k: 
     # Missed blocks are all visible, so the missed pass is not causal (and is validated so).
     missed_call = SparseCall(q, k, v, missed, causal=False, softmax_scale=softmax_scale, num_splits=num_splits,
                         validate=validate, seqused_k=seqused_k, page_table=page_table, backend=backend)
+    check_out(out, missed_call.q)
     # At prefill on FA-4 the speculative pass runs over the rows that see k_spec only (measured
     # 0.82-0.93x one pass over the union, run 33); elsewhere one launch, on the backend the missed
     # pass takes (FA-4 reads k_spec through a second pair of TMA descriptors, patch
@@ -73,12 +77,12 @@ def flash_attn_speculative_sparse(q: Tensor, k_spec: Tensor, v_spec: Tensor, k: 
     one_launch = _one_launch_refusal(q, k_spec, v_spec, k, v, missed, paged=page_table is not None) is None
     on_fa4 = choose(missed_call)[0] == "fa4"
     if on_fa4 and (missed_call.max_seqlen_q >= FA4_MIN_QUERY_ROWS or not one_launch):
-        return _speculative_over_missed_on_fa4(missed_call, k_spec, v_spec, causal_spec, validate, backend)
+        return _into(out, _speculative_over_missed_on_fa4(missed_call, k_spec, v_spec, causal_spec, validate, backend))
     if one_launch:
         # "mask" blocks whatever causal_spec: they name the second source; the flag masks them.
         spec = _every_block_of(k_spec, batch, "mask", missed.block_size)
         missed_call.use_mask_lists(spec, source=(k_spec, v_spec), causal=causal_spec)
-        return run(missed_call)
+        return run(missed_call, out)
     spec_blocks = _every_block_of(k_spec, batch, "mask" if causal_spec else "full")
     spec_call = SparseCall(q, k_spec, v_spec, spec_blocks, causal=causal_spec, softmax_scale=softmax_scale,
                       num_splits=num_splits, validate=validate, table_name="k_spec")
@@ -90,7 +94,15 @@ def flash_attn_speculative_sparse(q: Tensor, k_spec: Tensor, v_spec: Tensor, k: 
                                                    q.shape[1], q.shape[3], q.device)
     fa2.run_partial(spec_call, out_partial, lse_partial, 0, spec_splits)
     fa2.run_partial(missed_call, out_partial, lse_partial, spec_splits, missed_splits)
-    return ops.combine(out_partial, lse_partial, q.dtype, q.shape[3], None, 0)
+    return _into(out, ops.combine(out_partial, lse_partial, q.dtype, q.shape[3], None, 0))
+
+
+def _into(out: Optional[Tensor], result: Tuple[Tensor, Tensor]) -> Tuple[Tensor, Tensor]:
+    """result, with its output copied into `out` when given (a form that cannot write there)."""
+    if out is None:
+        return result
+    out.copy_(result[0])
+    return out, result[1]
 
 
 def _every_block_of(k_spec: Tensor, batch: int, kind: str, block_size: int = 128) -> SparseBlocks:
@@ -132,13 +144,14 @@ def flash_attn_speculative_sparse_zero_copy(q: Tensor, k: Tensor, v: Tensor, spe
                                             missed_block_table: BlockTable, *, block_size: int = 128,
                                             softmax_scale: Optional[float] = None, causal_spec: bool = True,
                                             num_splits: int = 0, backend: str = "auto",
-                                            validate: Optional[str] = None) -> Tuple[Tensor, Tensor]:
+                                            validate: Optional[str] = None,
+                                            out: Optional[Tensor] = None) -> Tuple[Tensor, Tensor]:
     """Speculative + repair without gathering: the speculative set is a block list over the same
     K/V (as "mask" blocks, so the diagonal gets the causal mask when causal_spec) and the missed
     set another ("full" blocks). One pass over both lists gives attention over their union.
     Both tables are 1-D int32 block-id tensors shared by every batch, head and query row.
-    backend as in flash_attn_with_sparse_block_table: calls that auto sends to FA-4 run there as the
-    union pass does."""
+    backend and out as in flash_attn_with_sparse_block_table: calls that auto sends to FA-4 run
+    there as the union pass does."""
     batch = q.shape[0] if isinstance(q, Tensor) and q.dim() == 4 else 1
     for name, t in (("spec_block_table", spec_block_table), ("missed_block_table", missed_block_table)):
         if not isinstance(t, Tensor) or t.dtype != torch.int32 or t.dim() != 1:
@@ -155,5 +168,6 @@ def flash_attn_speculative_sparse_zero_copy(q: Tensor, k: Tensor, v: Tensor, spe
         union = SparseBlocks(missed.full_cnt, pad(missed_block_table), spec.mask_cnt, pad(spec_block_table), block_size)
         validate_block_contents(union, causal=causal_spec, seqlens_q=[call.max_seqlen_q] * batch,
                                 seqlens_k=[call.max_seqlen_k] * batch)
+    check_out(out, call.q)
     call.use_mask_lists(spec)  # views of the two tables, not a padded union (two copies and a fill)
-    return run(call)
+    return run(call, out)

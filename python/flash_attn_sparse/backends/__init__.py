@@ -3,7 +3,8 @@
 
     refusal(call) -> Optional[str]      why it cannot run this call (shapes only, never syncs), or None
     num_splits(call) -> int             its split-KV count for the call (the requested one, if any)
-    run(call, splits) -> (out, lse)     the forward, out like q, lse (batch, heads, seqlen_q) or (heads, total_q)
+    run(call, splits, out=None) -> (out, lse)  the forward, out like q (into `out` if given),
+                                        lse (batch, heads, seqlen_q) or (heads, total_q)
 
 where `call` is a validated calls.SparseCall. FA-2 also has run_partial (fp32 partials into a
 caller's buffer, for flash_attn_sparse_partials and the speculative two-pass form). A new
@@ -23,7 +24,7 @@ class Backend(Protocol):
 
     def num_splits(self, call) -> int: ...
 
-    def run(self, call, splits: int) -> Tuple[Tensor, Tensor]: ...
+    def run(self, call, splits: int, out: Optional[Tensor] = None) -> Tuple[Tensor, Tensor]: ...
 
 
 BACKENDS = {"fa2": fa2, "fa3": fa3, "fa4": fa4}

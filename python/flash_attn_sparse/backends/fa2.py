@@ -9,7 +9,7 @@ test_split_heuristics.py and tests/test_seam_parity.py hold them to the C++).
 """
 
 import math
-from typing import Tuple
+from typing import Optional, Tuple
 
 from torch import Tensor
 
@@ -125,8 +125,11 @@ def num_splits(call) -> int:
     return choose_num_splits(*split_work(call))
 
 
-def run(call, splits: int) -> Tuple[Tensor, Tensor]:
-    return ops.sparse_fwd(**op_args(call, splits))
+def run(call, splits: int, out: Optional[Tensor] = None) -> Tuple[Tensor, Tensor]:
+    """(out, lse); into `out` (checked by calls.check_out) when given."""
+    if out is None:
+        return ops.sparse_fwd(**op_args(call, splits))
+    return out, ops.sparse_fwd_out(**op_args(call, splits), out=out)
 
 
 def run_partial(call, out_partial: Tensor, lse_partial: Tensor, offset: int, splits: int) -> None:

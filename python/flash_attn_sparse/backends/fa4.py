@@ -140,24 +140,49 @@ def launch(q: Tensor, k: Tensor, v: Tensor, blocks: SparseBlocks, *, softmax_sca
     """The sparse forward on flash-attn-4's SM90 kernel. Returns (out, lse) as the FA-2 path does.
     mask_source (K, V): the tensors the mask lists name blocks of, in the same launch (patch
     flash-attn-4/0006: the speculative call's gathered blocks); fixed-length calls only."""
+    entry = entry_and_arguments(q, k, blocks, softmax_scale=softmax_scale, causal=causal, batch=batch,
+                                max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, cu_seqlens_q=cu_seqlens_q,
+                                cu_seqlens_k=cu_seqlens_k, seqused_k=seqused_k, num_splits=num_splits,
+                                mask_source=mask_source)
+    return launch_entry(entry, q, k, v)
+
+
+def entry_and_arguments(q: Tensor, k: Tensor, blocks: SparseBlocks, *, softmax_scale: float, causal: bool,
+                        batch: int, max_seqlen_q: int, max_seqlen_k: int, cu_seqlens_q: Optional[Tensor] = None,
+                        cu_seqlens_k: Optional[Tensor] = None, seqused_k: Optional[Tensor] = None,
+                        num_splits: int = 1, mask_source: Optional[Tuple[Tensor, Tensor]] = None) -> Tuple:
+    """(flash-attn-4's entry point, its arguments but q, k, v): launch's conversion, which a plan
+    of a batched call makes once (its block-sparse tensors are views of the lists; q and k give
+    shapes only). Varlen lists are converted into new tensors, so a varlen plan converts per run."""
     interface = import_cute("interface")
     small = small_tile(q, k, blocks, max_seqlen_q=max_seqlen_q)
     tensors = block_sparse_tensors(blocks, batch=batch, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k,
                                    cu_seqlens_k=cu_seqlens_k, seqused_k=seqused_k,
                                    q_block_size=SMALL_TILE_ROWS if small else None)
+    common = dict(softmax_scale=softmax_scale, causal=causal, block_sparse_tensors=tensors, return_lse=True,
+                  num_splits=num_splits)
     if blocks.is_varlen:
-        out, lse = interface.flash_attn_varlen_func(
-            q, k, v, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q,
-            max_seqlen_k=max_seqlen_k, seqused_k=seqused_k, softmax_scale=softmax_scale, causal=causal,
-            block_sparse_tensors=tensors, return_lse=True, num_splits=num_splits)
-    elif mask_source is not None:  # forward only, as this package is: its autograd wrapper does not take it
-        out, lse, *_ = interface._flash_attn_fwd(q, k, v, softmax_scale=softmax_scale, causal=causal,
-                                                 block_sparse_tensors=tensors, return_lse=True, num_splits=num_splits,
-                                                 mask_block_kv=mask_source)
-    else:
-        out, lse = interface.flash_attn_func(q, k, v, softmax_scale=softmax_scale, causal=causal,
-                                             block_sparse_tensors=tensors, return_lse=True, num_splits=num_splits)
+        return interface.flash_attn_varlen_func, dict(common, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
+                                                      max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k,
+                                                      seqused_k=seqused_k)
+    if mask_source is not None:  # forward only, as this package is: its autograd wrapper does not take it
+        return interface._flash_attn_fwd, dict(common, mask_block_kv=mask_source)
+    return interface.flash_attn_func, common
+
+
+def launch_entry(entry: Tuple, q: Tensor, k: Tensor, v: Tensor) -> Tuple[Tensor, Tensor]:
+    """(out, lse) of entry_and_arguments' entry over q, k, v."""
+    function, arguments = entry
+    out, lse, *_ = function(q, k, v, **arguments)
     return out, lse
+
+
+def call_entry(call, splits: int) -> Tuple:
+    """entry_and_arguments for a validated calls.SparseCall."""
+    return entry_and_arguments(call.q, call.k, call.effective_blocks(), softmax_scale=call.scale, causal=call.causal,
+                               batch=call.batch, max_seqlen_q=call.max_seqlen_q, max_seqlen_k=call.max_seqlen_k,
+                               cu_seqlens_q=call.cu_seqlens_q, cu_seqlens_k=call.cu_seqlens_k,
+                               seqused_k=call.seqused_k, num_splits=splits, mask_source=call.mask_source)
 
 
 # --- the backend protocol (backends/__init__.py) ----------------------------------------------
@@ -185,9 +210,11 @@ def num_splits(call) -> int:
         small_tile=small_tile(q, k, blocks, max_seqlen_q=call.max_seqlen_q), num_sms=num_sms(q.device.index or 0)))
 
 
-def run(call, splits: int) -> Tuple[Tensor, Tensor]:
-    """(out, lse) of `call` over `splits` splits."""
-    return launch(call.q, call.k, call.v, call.effective_blocks(), softmax_scale=call.scale, causal=call.causal,
-                  batch=call.batch, max_seqlen_q=call.max_seqlen_q, max_seqlen_k=call.max_seqlen_k,
-                  cu_seqlens_q=call.cu_seqlens_q, cu_seqlens_k=call.cu_seqlens_k, seqused_k=call.seqused_k,
-                  num_splits=splits, mask_source=call.mask_source)
+def run(call, splits: int, out: Optional[Tensor] = None) -> Tuple[Tensor, Tensor]:
+    """(out, lse) of `call` over `splits` splits. flash-attn-4's forward allocates its output, so
+    a given `out` is filled by a copy (one extra pass over the output)."""
+    result, lse = launch_entry(call_entry(call, splits), call.q, call.k, call.v)
+    if out is None:
+        return result, lse
+    out.copy_(result)
+    return out, lse

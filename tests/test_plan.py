@@ -1,0 +1,229 @@
+"""Plan once, run many, on CPU tensors with the kernels faked (issue 27): a SparsePlan validates
+once and runs many; the one-shot entry points cache their decisions by shape; out= is checked.
+
+The fake_gpu fixture lets CPU tensors past the CUDA-device check and records what would be
+launched instead of launching it."""
+
+import pytest
+import torch
+
+import flash_attn_sparse as fas
+from flash_attn_sparse import SparseBlocks, SparseInputError, calls, interface, ops
+from flash_attn_sparse.backends import fa2
+
+B, SQ, SK, H, HK, D = 2, 1, 1024, 4, 2, 64
+
+
+def qkv(seqlen_q=SQ, dtype=torch.float16):
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(B, seqlen_q, H, D, generator=g).to(dtype)
+    k = torch.randn(B, SK, HK, D, generator=g).to(dtype)
+    return q, k, torch.randn_like(k)
+
+
+@pytest.fixture
+def fake_gpu(monkeypatch):
+    """Counts validations and records launches: validations, launches (op name, args)."""
+    record = {"validations": 0, "launches": []}
+    validate_blocks = calls.validate_blocks
+
+    def counting_validate_blocks(*args, **kwargs):
+        record["validations"] += 1
+        return validate_blocks(*args, **kwargs)
+
+    def fake_op(name):
+        def launch(**args):
+            record["launches"].append((name, args))
+            q = args["q"]
+            lse = torch.zeros(q.shape[0], q.shape[2], q.shape[1])
+            if name == "fwd":
+                return torch.zeros_like(q), lse
+            return lse
+        return launch
+
+    monkeypatch.setattr(calls, "validate_blocks", counting_validate_blocks)
+    monkeypatch.setattr(calls, "require_cuda", lambda q: None)
+    monkeypatch.setattr(ops, "compiled_head_dims", lambda: ((64, 128), False))
+    monkeypatch.setattr(fa2, "num_sms", lambda index: 132)
+    monkeypatch.setattr(ops, "sparse_fwd", fake_op("fwd"))
+    monkeypatch.setattr(ops, "sparse_fwd_out", fake_op("fwd_out"))
+    monkeypatch.setattr(ops, "launch_direct", lambda args, out: fake_op("direct")(**args, out=out))
+    monkeypatch.setattr(interface, "_decisions", type(interface._decisions)())
+    return record
+
+
+def one_shot(q, k, v, table, **options):
+    return fas.flash_attn_with_sparse_block_table(q, k, v, table, block_size=128, backend="fa2", **options)
+
+
+def test_repeated_one_shot_calls_validate_once_and_launch_the_new_tensors(fake_gpu):
+    q, k, v = qkv()
+    one_shot(q, k, v, torch.tensor([0, 3, 5], dtype=torch.int32))
+    q2, k2, v2 = qkv()
+    table2 = torch.tensor([7, 1, 2], dtype=torch.int32)
+    one_shot(q2, k2, v2, table2)
+    assert fake_gpu["validations"] == 1
+    (_, first), (_, second) = fake_gpu["launches"]
+    assert second["q"] is q2 and second["k"] is k2 and second["v"] is v2
+    assert second["full_idx"].data_ptr() == table2.data_ptr()
+    assert {name: value for name, value in first.items() if not isinstance(value, torch.Tensor)} == \
+           {name: value for name, value in second.items() if not isinstance(value, torch.Tensor)}
+    decision, = interface._decisions.values()
+    assert all(getattr(decision.call, name) is None for name in calls.TENSOR_FIELDS), "the cache holds no caller tensor"
+
+
+@pytest.mark.parametrize("change", ["seqlen_q", "dtype", "causal", "num_splits", "list capacity", "scale", "k strides"])
+def test_the_cache_key_tells_shapes_and_options_apart(fake_gpu, change):
+    q, k, v = qkv()
+    table = torch.tensor([0, 3, 5], dtype=torch.int32)
+    one_shot(q, k, v, table)
+    options = {}
+    if change == "seqlen_q":
+        q, k, v = qkv(seqlen_q=2)
+    elif change == "dtype":
+        q, k, v = qkv(dtype=torch.bfloat16)
+    elif change == "causal":
+        options["causal"] = True
+    elif change == "num_splits":
+        options["num_splits"] = 3
+    elif change == "list capacity":
+        table = torch.tensor([0, 3, 5, 6], dtype=torch.int32)
+    elif change == "scale":
+        options["softmax_scale"] = 0.5
+    else:
+        k = torch.empty(B, HK, SK, D, dtype=k.dtype).transpose(1, 2).copy_(k)
+    one_shot(q, k, v, table, **options)
+    assert fake_gpu["validations"] == 2
+    (_, first), (_, second) = fake_gpu["launches"]
+    if change in ("causal", "num_splits", "scale"):
+        name = {"causal": "causal", "num_splits": "num_splits", "scale": "softmax_scale"}[change]
+        assert first[name] != second[name]
+
+
+def test_exhaustive_validation_is_never_cached(fake_gpu):
+    q, k, v = qkv()
+    for _ in range(2):
+        one_shot(q, k, v, torch.tensor([0, 3], dtype=torch.int32), validate="full")
+    assert fake_gpu["validations"] == 2 and not interface._decisions
+
+
+def test_a_cached_call_still_refuses_a_bad_out(fake_gpu):
+    q, k, v = qkv()
+    table = torch.tensor([0, 3], dtype=torch.int32)
+    one_shot(q, k, v, table)
+    with pytest.raises(SparseInputError, match=r"^out: must be like q"):
+        one_shot(q, k, v, table, out=torch.empty(B, SQ, H, D, dtype=torch.bfloat16))
+
+
+@pytest.mark.parametrize("bad", ["shape", "dtype", "last dim", "not a tensor"])
+def test_out_is_checked_naming_out(fake_gpu, bad):
+    q, k, v = qkv()
+    out = {"shape": torch.empty(B, SQ + 1, H, D, dtype=q.dtype), "dtype": torch.empty_like(q, dtype=torch.float32),
+           "last dim": torch.empty(B, SQ, H, D * 2, dtype=q.dtype)[..., ::2], "not a tensor": [1.0]}[bad]
+    with pytest.raises(SparseInputError, match=r"^out: must (be|have)"):
+        one_shot(q, k, v, torch.tensor([0, 3], dtype=torch.int32), out=out)
+    plan = fas.SparsePlan(q, k, v, torch.tensor([0, 3], dtype=torch.int32), block_size=128, backend="fa2")
+    with pytest.raises(SparseInputError, match=r"^out: must (be|have)"):
+        plan.run(q, k, v, out=out)
+    assert not fake_gpu["launches"]
+
+
+def test_out_reaches_the_mutating_op(fake_gpu):
+    q, k, v = qkv()
+    out = torch.empty_like(q)
+    result, _ = one_shot(q, k, v, torch.tensor([0, 3], dtype=torch.int32), out=out)
+    (name, args), = fake_gpu["launches"]
+    assert result is out and name == "fwd_out" and args["out"] is out
+
+
+def test_a_plan_validates_once_and_runs_the_callers_lists(fake_gpu):
+    q, k, v = qkv()
+    blocks = SparseBlocks(torch.full((B, HK, 1), 2, dtype=torch.int32),
+                          torch.tensor([0, 3, 5, 1], dtype=torch.int32).expand(B, HK, 1, 4).contiguous(), block_size=128)
+    seqused_k = torch.full((B,), SK, dtype=torch.int32)
+    plan = fas.plan(q, k, v, blocks, backend="fa2", causal=True, seqused_k=seqused_k)
+    assert plan.backend == "fa2" and fake_gpu["validations"] == 1
+    runs = [qkv() for _ in range(3)]
+    for q_i, k_i, v_i in runs:
+        out, _ = plan.run(q_i, k_i, v_i)
+        assert out is plan.out
+    assert fake_gpu["validations"] == 1 and len(fake_gpu["launches"]) == 3
+    for (q_i, k_i, v_i), (name, args) in zip(runs, fake_gpu["launches"]):
+        assert name == "direct" and args["q"] is q_i and args["k"] is k_i and args["v"] is v_i
+        assert args["full_cnt"] is blocks.full_cnt and args["full_idx"] is blocks.full_idx
+        assert args["seqused_k"] is seqused_k and args["is_causal"] is True and args["out"] is plan.out
+    given = torch.empty_like(q)
+    assert plan.run(q, k, v, out=given)[0] is given
+
+
+@pytest.mark.parametrize("other", ["q shape", "q dtype", "k strides", "v batch", "q not a tensor"])
+def test_a_plan_refuses_other_tensors(fake_gpu, other):
+    q, k, v = qkv()
+    plan = fas.SparsePlan(q, k, v, torch.tensor([0, 3], dtype=torch.int32), block_size=128, backend="fa2")
+    name = other[0]
+    if other == "q shape":
+        q = qkv(seqlen_q=2)[0]
+    elif other == "q dtype":
+        q = q.to(torch.bfloat16)
+    elif other == "k strides":
+        k = torch.empty(B, HK, SK, D, dtype=k.dtype).transpose(1, 2).copy_(k)
+    elif other == "v batch":
+        v = torch.cat([v, v])
+    else:
+        q = q.tolist()
+    with pytest.raises(SparseInputError, match=rf"^{name}: "):
+        plan.run(q, k, v)
+    assert not fake_gpu["launches"]
+
+
+def test_a_plan_refuses_a_non_contiguous_last_dim(fake_gpu):
+    q, k, v = qkv()
+    q = torch.empty(B, SQ, H, D * 2, dtype=q.dtype)[..., ::2]
+    with pytest.raises(SparseInputError, match="^q: a plan runs tensors with a contiguous last dimension"):
+        fas.SparsePlan(q, k, v, torch.tensor([0], dtype=torch.int32), block_size=128, backend="fa2")
+
+
+def test_a_plan_is_validated_like_the_one_shot_call():
+    q, k, v = qkv()
+    with pytest.raises(SparseInputError, match="^q: must be on a CUDA device"):
+        fas.SparsePlan(q, k, v, torch.tensor([0], dtype=torch.int32), block_size=128)
+    with pytest.raises(SparseInputError, match="^blocks: "):
+        fas.SparsePlan(q, k, v, torch.tensor([0], dtype=torch.int64), block_size=128)
+
+
+def test_batch_one_lists_broadcast_on_the_cached_path_too(fake_gpu):
+    q, k, v = qkv()
+    blocks = SparseBlocks(torch.full((1, HK, 1), 2, dtype=torch.int32), torch.zeros(1, HK, 1, 3, dtype=torch.int32))
+    for _ in range(2):
+        fas.flash_attn_with_sparse_block_table(q, k, v, blocks, backend="fa2")
+    assert fake_gpu["validations"] == 1
+    for _, args in fake_gpu["launches"]:
+        assert args["full_cnt"].shape == (B, HK, 1) and args["full_cnt"].stride(0) == 0
+        assert args["full_idx"].data_ptr() == blocks.full_idx.data_ptr()
+
+
+def test_a_batched_fa4_plan_converts_its_lists_once_as_views(fake_gpu, monkeypatch):
+    from flash_attn_sparse.backends import cute, fa4
+    converted, launched = [], []
+
+    def flash_attn_func(q, k, v, **arguments):
+        launched.append((q, arguments))
+        return torch.full_like(q, 2.0), torch.zeros(q.shape[0], q.shape[2], q.shape[1])
+
+    flash_attn_4 = type("flash_attn_4", (), {"BlockSparseTensorsTorch": lambda **fields: converted.append(fields) or fields,
+                                             "flash_attn_func": staticmethod(flash_attn_func)})
+    for module in (cute, fa4):
+        monkeypatch.setattr(module, "import_cute", lambda name: flash_attn_4, raising=False)
+    monkeypatch.setattr(fa4, "refusal", lambda call: None)  # conftest keeps other tests on FA-2; no SM90 here
+    monkeypatch.setattr(fa4, "num_sms", lambda index: 132)
+    q, k, v = qkv()
+    blocks = SparseBlocks(torch.full((B, HK, 1), 2, dtype=torch.int32), torch.zeros(B, HK, 1, 3, dtype=torch.int32))
+    plan = fas.SparsePlan(q, k, v, blocks, backend="fa4")
+    runs = [qkv() for _ in range(3)]
+    for q_i, k_i, v_i in runs:
+        out, _ = plan.run(q_i, k_i, v_i)
+        assert out is plan.out and (out == 2).all()
+    assert len(converted) == 1 and fake_gpu["validations"] == 1
+    assert converted[0]["full_block_idx"].data_ptr() == blocks.full_idx.data_ptr()
+    assert [q_i for q_i, _ in launched] == [q_i for q_i, _, _ in runs]
+    assert all(arguments["block_sparse_tensors"] is converted[0] for _, arguments in launched)

@@ -1,0 +1,221 @@
+"""GPU: SparsePlan.run against the one-shot call (bitwise) and the fp32 reference; lists updated
+in place between runs and between CUDA-graph replays; out= written in place; host time printed
+(issue 27)."""
+
+import importlib.util
+import statistics
+import time
+
+import pytest
+import torch
+
+import flash_attn_sparse as fas
+from flash_attn_sparse import SparseBlocks
+from flash_attn_sparse.backends import fa4
+from flash_attn_sparse.metadata import pack_varlen_lists
+from flash_attn_sparse.reference import block_positions
+from helpers import assert_close_to_reference, random_qkv
+
+pytestmark = pytest.mark.gpu
+
+B, SQ, SK, H, HK, D, BS = 2, 4, 2000, 8, 2, 128, 128
+N_BLOCKS = -(-SK // BS)
+BACKENDS = ["fa2", pytest.param("fa4", marks=pytest.mark.sm90)]
+
+
+FA4_REFUSAL = fa4.refusal  # before conftest's auto_stays_on_fa2 replaces it in each test
+
+
+@pytest.fixture
+def needs(monkeypatch):
+    """needs(backend): skips fa4 without the CuTe-DSL runtime; else lets fa4 run the calls it can
+    (conftest keeps the other test files on FA-2)."""
+    def check(backend):
+        if backend == "fa4":
+            if importlib.util.find_spec("cutlass") is None:
+                pytest.skip("the CuTe-DSL runtime (nvidia-cutlass-dsl, extra [hopper]) is not installed")
+            monkeypatch.setattr(fa4, "refusal", FA4_REFUSAL)
+    return check
+
+
+def inputs(seed, seqlen_q=SQ):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    q, k, v = random_qkv(B, seqlen_q, SK, H, HK, D, torch.bfloat16, generator=g)
+    # Distinct V per block, so a wrong or missing block shows in the output.
+    v = v + torch.arange(N_BLOCKS, device="cuda").repeat_interleave(BS)[:SK].view(1, SK, 1, 1).to(v.dtype)
+    return q, k, v
+
+
+def visible_for(table, seqlen_q=SQ):
+    positions = block_positions(table.tolist(), BS, SK)
+    visible = torch.zeros(seqlen_q, SK, dtype=torch.bool)
+    visible[:, positions] = True
+    return visible.cuda()
+
+
+def per_kv_head_lists(seed, n=6):
+    g = torch.Generator().manual_seed(seed)
+    idx = torch.stack([torch.randperm(N_BLOCKS, generator=g)[:n] for _ in range(B * HK)]).view(B, HK, 1, n)
+    cnt = torch.randint(1, n + 1, (B, HK, 1), generator=g)
+    return SparseBlocks(cnt.int().cuda(), idx.int().cuda(), block_size=BS)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("lists", ["table", "per K/V head"])
+def test_plan_run_equals_the_one_shot_call_bitwise(backend, lists, needs):
+    needs(backend)
+    q, k, v = inputs(0)
+    blocks = torch.tensor([9, 2, 14, 5, 0, 15], dtype=torch.int32, device="cuda") if lists == "table" else per_kv_head_lists(1)
+    plan = fas.plan(q, k, v, blocks, block_size=BS, backend=backend)
+    for seed in (2, 3):
+        q, k, v = inputs(seed)
+        out, lse = plan.run(q, k, v)
+        ref_out, ref_lse = fas.flash_attn_with_sparse_block_table(q, k, v, blocks, block_size=BS, backend=backend)
+        assert torch.equal(out, ref_out) and torch.equal(lse, ref_lse)
+        if lists == "table":
+            assert_close_to_reference(out, lse, q, k, v, visible_for(blocks))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_lists_updated_in_place_between_runs_change_the_result(backend, needs):
+    needs(backend)
+    q, k, v = inputs(4)
+    table = torch.tensor([3, 11, 7], dtype=torch.int32, device="cuda")
+    plan = fas.SparsePlan(q, k, v, table, block_size=BS, backend=backend)
+    for ids in ([3, 11, 7], [15, 0, 8], [1, 2, 13]):
+        table.copy_(torch.tensor(ids, dtype=torch.int32))
+        out, lse = plan.run(q, k, v)
+        assert_close_to_reference(out, lse, q, k, v, visible_for(table))
+
+
+@pytest.mark.parametrize("num_splits", [1, 0, 4])
+def test_cuda_graph_replays_plan_run_over_lists_updated_in_place(num_splits):
+    q, k, v = inputs(5, seqlen_q=1)
+    table = torch.tensor([6, 1, 12, 4], dtype=torch.int32, device="cuda")
+    plan = fas.SparsePlan(q, k, v, table, block_size=BS, backend="fa2", num_splits=num_splits)
+    out = torch.full_like(q, float("nan"))
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):  # warm up off the capture
+        plan.run(q, k, v, out=out)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        _, lse = plan.run(q, k, v, out=out)
+    for ids, seed in (([6, 1, 12, 4], 6), ([0, 15, 9, 3], 7), ([14, 13, 2, 8], 8)):
+        table.copy_(torch.tensor(ids, dtype=torch.int32))
+        q.copy_(inputs(seed, seqlen_q=1)[0])
+        out.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert_close_to_reference(out, lse, q, k, v, visible_for(table, seqlen_q=1))
+        eager_out, eager_lse = fas.flash_attn_with_sparse_block_table(q, k, v, table, block_size=BS, backend="fa2",
+                                                                       num_splits=num_splits)
+        assert torch.equal(out, eager_out) and torch.equal(lse, eager_lse)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_out_is_written_in_place(backend, needs):
+    needs(backend)
+    q, k, v = inputs(9)
+    table = torch.tensor([4, 10, 1], dtype=torch.int32, device="cuda")
+    expected_out, expected_lse = fas.flash_attn_with_sparse_block_table(q, k, v, table, block_size=BS, backend=backend)
+    plan = fas.SparsePlan(q, k, v, table, block_size=BS, backend=backend)
+    runs = {"one-shot": lambda out: fas.flash_attn_with_sparse_block_table(q, k, v, table, block_size=BS,
+                                                                          backend=backend, out=out),
+            "plan": lambda out: plan.run(q, k, v, out=out)}
+    for name, run in runs.items():
+        out = torch.full_like(q, float("nan"))
+        result, lse = run(out)
+        assert result is out, name
+        assert torch.equal(out, expected_out) and torch.equal(lse, expected_lse), name
+    # The varlen form takes out= too.
+    cu = torch.arange(0, (B + 1) * SQ, SQ, dtype=torch.int32, device="cuda")
+    cu_k = torch.arange(0, (B + 1) * SK, SK, dtype=torch.int32, device="cuda")
+    varlen_blocks = pack_varlen_lists([[[table.tolist()]]] * B, block_size=BS, device="cuda")
+    out = torch.full((B * SQ, H, D), float("nan"), dtype=q.dtype, device="cuda")
+    result, _ = fas.flash_attn_varlen_with_sparse_blocks(
+        q.flatten(0, 1), k.flatten(0, 1), v.flatten(0, 1), varlen_blocks, cu_seqlens_q=cu, cu_seqlens_k=cu_k,
+        max_seqlen_q=SQ, max_seqlen_k=SK, backend="fa2", out=out)
+    assert result is out
+    assert_close_to_reference(out.view_as(q), expected_lse, q, k, v, visible_for(table))
+
+
+def _median_host_us(fn, calls=200):
+    times = []
+    for _ in range(calls):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    torch.cuda.synchronize()
+    return statistics.median(times) * 1e6
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_print_host_time(backend, needs):
+    """Median host time (us) per plan.run and per one-shot call over 200 eager calls (printed,
+    not asserted): decode B8 Sq1 H32 Hk8 Sk32768 bf16, 1/16 of the blocks per K/V head."""
+    needs(backend)
+    batch, heads, heads_k, seqlen_k = 8, 32, 8, 32768
+    g = torch.Generator(device="cuda").manual_seed(10)
+    q, k, v = random_qkv(batch, 1, seqlen_k, heads, heads_k, D, torch.bfloat16, generator=g)
+    n = seqlen_k // BS // 16
+    idx = torch.stack([torch.randperm(seqlen_k // BS, device="cuda")[:n] for _ in range(batch * heads_k)])
+    blocks = SparseBlocks(torch.full((batch, heads_k, 1), n, dtype=torch.int32, device="cuda"),
+                          idx.int().view(batch, heads_k, 1, n), block_size=BS)
+    plan = fas.SparsePlan(q, k, v, blocks, backend=backend)
+    out = torch.empty_like(q)
+    plan_us = _median_host_us(lambda: plan.run(q, k, v, out=out))
+    one_shot_us = _median_host_us(lambda: fas.flash_attn_with_sparse_block_table(q, k, v, blocks, backend=backend, out=out))
+    print(f"\nhost time per call, {backend} ({plan.backend}, {plan.num_splits} splits): plan.run {plan_us:.1f} us, "
+          f"one-shot {one_shot_us:.1f} us")
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_broadcast_flex_block_mask_runs_like_its_lists_per_batch(backend, needs):
+    """A BlockMask made with B=None, H=None (batch and head extents 1) over a batch of 2 equals
+    the same lists materialised per batch, and the causal reference."""
+    needs(backend)
+    from torch.nn.attention.flex_attention import create_block_mask
+    seqlen = 1024
+    g = torch.Generator(device="cuda").manual_seed(11)
+    q, k, v = random_qkv(B, seqlen, seqlen, H, HK, D, torch.bfloat16, generator=g)
+    mask = create_block_mask(lambda b, h, i, j: i >= j, B=None, H=None, Q_LEN=seqlen, KV_LEN=seqlen, device="cuda")
+    blocks = fas.blocks_from_flex_block_mask(mask)
+    assert blocks.full_cnt.shape[:2] == (1, 1)
+    out, lse = fas.flash_attn_with_sparse_block_table(q, k, v, blocks, causal=True, backend=backend)
+    per_batch = SparseBlocks(*(t.expand(B, *t.shape[1:]).contiguous() for t in
+                               (blocks.full_cnt, blocks.full_idx, blocks.mask_cnt, blocks.mask_idx)),
+                             block_size=blocks.block_size, q_block_size=blocks.q_block_size)
+    ref_out, ref_lse = fas.flash_attn_with_sparse_block_table(q, k, v, per_batch, causal=True, backend=backend)
+    assert torch.equal(out, ref_out) and torch.equal(lse, ref_lse)
+    visible = torch.ones(seqlen, seqlen, dtype=torch.bool, device="cuda").tril()
+    assert_close_to_reference(out, lse, q, k, v, visible)
+
+
+@pytest.mark.parametrize("form", ["zero copy", "gathered, one launch", "gathered, two passes"])
+def test_the_speculative_forms_write_out_in_place(form):
+    q, k, v = inputs(12, seqlen_q=16)
+    spec_ids, missed_ids = [15, 14], [3, 9, 0]
+    spec = torch.tensor(spec_ids, dtype=torch.int32, device="cuda")
+    missed = torch.tensor(missed_ids, dtype=torch.int32, device="cuda")
+    if form == "zero copy":
+        def call(**out):
+            return fas.flash_attn_speculative_sparse_zero_copy(q, k, v, spec, missed, block_size=BS, causal_spec=False,
+                                                               backend="fa2", **out)
+    else:
+        positions = block_positions(spec_ids, BS, SK).cuda()
+        k_spec, v_spec = k[:, positions].contiguous(), v[:, positions].contiguous()
+        block_size = BS if form == "gathered, one launch" else 16  # below a kernel tile: the two-pass form
+
+        def call(**out):
+            table = missed if block_size == BS else torch.tensor([i * (BS // 16) + j for i in missed_ids
+                                                                  for j in range(BS // 16)], dtype=torch.int32,
+                                                                 device="cuda")
+            return fas.flash_attn_speculative_sparse(q, k_spec, v_spec, k, v, table, block_size=block_size,
+                                                     causal_spec=False, backend="fa2", **out)
+    expected_out, expected_lse = call()
+    out = torch.full_like(q, float("nan"))
+    result, lse = call(out=out)
+    assert result is out and torch.equal(out, expected_out) and torch.equal(lse, expected_lse)
+    assert_close_to_reference(out, lse, q, k, v, visible_for(torch.tensor(spec_ids + missed_ids), seqlen_q=16))
