@@ -111,6 +111,7 @@ def build_env(layout: Layout, profile: str, archs: list[str], label: str, jobs: 
         "FLASH_ATTENTION_FORCE_BUILD": "TRUE",  # else setup.py downloads upstream's wheel
         "FLASH_ATTN_CUDA_ARCHS": ";".join(archs),
         "FLASH_ATTN_LOCAL_VERSION": label,
+        "FLASH_ATTN_SPARSE_PROFILE": profile,  # recorded in flash_attn/_build_profile.py (patch 0006)
         # the [hopper] extra pins exactly the flash-attn-4 wheel build() writes (patch 0004)
         "FLASH_ATTN_SPARSE_FA4_LABEL": wheel_fa4.label(layout),
         "MAX_JOBS": str(jobs or os.cpu_count() or 1),
