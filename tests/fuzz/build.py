@@ -155,8 +155,8 @@ class Case:
         if c.form == "varlen":
             cu_q, cu_k = self.cu_seqlens()
             return fas.flash_attn_varlen_with_sparse_blocks(
-                self.q, self.k, self.v, cu_q, cu_k, blocks=self.blocks, max_seqlen_q=max(c.seqlens_q), max_seqlen_k=max(c.seqlens_k),
-                seqused_k=self.seqused_k, **opts)
+                self.q, self.k, self.v, self.blocks, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=max(c.seqlens_q),
+                max_seqlen_k=max(c.seqlens_k), seqused_k=self.seqused_k, **opts)
         if c.form == "spec_gather":
             return fas.flash_attn_speculative_sparse(self.q, self.k_spec, self.v_spec, self.k, self.v, table(c.full[0][0][0]),
                                                      block_size=c.block_size, causal_spec=c.causal, num_splits=c.num_splits,
