@@ -130,3 +130,32 @@ def test_the_build_names_its_profile(tmp_path):
     env = build.build_env(layout, "dev", ["90"], "sparse.x.dev")
     assert env["FLASH_ATTN_SPARSE_PROFILE"] == "dev"
     assert all(env[f"FLASH_ATTENTION_DISABLE_{f}"] == "TRUE" for f in build.DEV_FEATURES_OFF)
+
+
+@pytest.mark.gpu
+def test_installed_dev_wheel_warns_and_refuses_on_the_gpu():
+    """The installed wheel (nox -s build, dev profile): the same through CUDA and torch's custom ops."""
+    torch = pytest.importorskip("torch")
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA GPU on this machine")
+    profile = pytest.importorskip("flash_attn.build_profile")
+    if profile.PROFILE != "dev":
+        pytest.skip(f"the installed flash_attn is the {profile.PROFILE!r} build")
+    from flash_attn import flash_attn_func
+    child = subprocess.run([sys.executable, "-W", "always", "-c", "import flash_attn, flash_attn.flash_attn_interface"],
+                           capture_output=True, text=True, timeout=300)
+    assert child.returncode == 0, child.stderr[-3000:]
+    assert child.stderr.count("DeveloperBuildWarning") == 1, child.stderr[-3000:]
+    q, k, v = (torch.randn(1, 256, 2, 128, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+    reference = torch.nn.functional.scaled_dot_product_attention(*(x.transpose(1, 2).float() for x in (q, k, v)),
+                                                                 is_causal=True).transpose(1, 2)
+    assert (flash_attn_func(q, k, v, causal=True).float() - reference).abs().max() < 2e-2
+    with pytest.raises(profile.CompiledOutError, match="head dim 96"):
+        flash_attn_func(*(torch.randn(1, 256, 2, 96, device="cuda", dtype=torch.bfloat16) for _ in range(3)))
+    with pytest.raises(profile.CompiledOutError, match="window_size"):
+        flash_attn_func(q, k, v, causal=True, window_size=(64, 0))
+    with pytest.raises(profile.CompiledOutError, match="softcap"):
+        flash_attn_func(q, k, v, softcap=30.0)
+    q_grad = q.clone().requires_grad_()
+    with pytest.raises(profile.CompiledOutError, match="backward"):
+        flash_attn_func(q_grad, k, v, causal=True).sum().backward()
