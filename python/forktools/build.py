@@ -85,15 +85,7 @@ def build(layout: Layout, profile: str = "dev", archs: list[str] | None = None,
     for mutation in mutations:
         patchfile.apply_diff(patchfile.split_description(Path(mutation).read_bytes()), stage, str(mutation))
         print(f"build: applied mutation {mutation}")
-    env = dict(os.environ)
-    env.update(PROFILES[profile]["env"])
-    env.update({
-        "FLASH_ATTENTION_FORCE_BUILD": "TRUE",  # else setup.py downloads upstream's wheel
-        "FLASH_ATTN_CUDA_ARCHS": ";".join(archs),
-        "FLASH_ATTN_LOCAL_VERSION": label,
-        "MAX_JOBS": str(jobs or os.cpu_count() or 1),
-        "NVCC_THREADS": env.get("NVCC_THREADS", "1"),
-    })
+    env = build_env(layout, profile, archs, label, jobs)
     dist.mkdir(exist_ok=True)
     log_path = layout.root / "build" / "logs" / f"build-{profile}.log"
     log_path.parent.mkdir(parents=True, exist_ok=True)
@@ -116,6 +108,23 @@ def build(layout: Layout, profile: str = "dev", archs: list[str] | None = None,
     return wheels[-1]
 
 
+def build_env(layout: Layout, profile: str, archs: list[str], label: str, jobs: int | None = None) -> dict:
+    """The environment the patched setup.py builds the `profile` wheel under."""
+    env = dict(os.environ)
+    env.update(PROFILES[profile]["env"])
+    env.update({
+        "FLASH_ATTENTION_FORCE_BUILD": "TRUE",  # else setup.py downloads upstream's wheel
+        "FLASH_ATTN_CUDA_ARCHS": ";".join(archs),
+        "FLASH_ATTN_LOCAL_VERSION": label,
+        "FLASH_ATTN_SPARSE_PROFILE": profile,  # recorded in flash_attn/_build_profile.py (patch 0006)
+        # the [hopper] extra pins exactly the flash-attn-4 wheel build() writes (patch 0004)
+        "FLASH_ATTN_SPARSE_FA4_LABEL": wheel_fa4.label(layout),
+        "MAX_JOBS": str(jobs or os.cpu_count() or 1),
+        "NVCC_THREADS": env.get("NVCC_THREADS", "1"),
+    })
+    return env
+
+
 def _finish_fa3(fa3_build: build_fa3.Background | None, install: bool) -> None:
     if fa3_build is not None:
         wheel = fa3_build.result()
@@ -135,6 +144,8 @@ def source_hash(layout: Layout, profile: str, archs: list[str], mutations: list[
     """A short hash of everything upstream `name`'s wheel is built from in this repo, and of how."""
     digest = hashlib.sha256(f"{profile} {','.join(archs)}\n".encode())
     inputs = [layout.lock, layout.series, *sorted((layout.patches / name).glob("*.patch"))]
+    if name == UPSTREAM:  # its [hopper] extra names the flash-attn-4 wheel's label
+        inputs += sorted((layout.patches / wheel_fa4.UPSTREAM).glob("*.patch"))
     inputs += [Path(m).resolve() for m in mutations]
     inputs += [path for _, path in sorted(overlay.sources(layout, name).items())]
     for path in inputs:

@@ -42,15 +42,36 @@ def import_cute(module: str):
         return importlib.import_module(f"flash_attn.cute.{module}")
 
 
+# What patches/flash-attn-4's marker module (flash_attn/cute/sparse_series.py) says in a build
+# with this series' stage-4 patches; the unpatched release has no such module.
+EXPECTED_SERIES = "flash-attn-sparse stage 4, format 1"
+PATCHED_WHEEL_HINT = ("install the patched build: `nox -s build` writes "
+                      "dist/flash_attn_4-4.0.0b36+sparse.*.whl (pip install it, or flash_attn[hopper] "
+                      "from a wheel built that way)")
+
+
 @functools.lru_cache(maxsize=None)
 def missing_runtime() -> Optional[str]:
-    """None when flash-attn-4 and its CuTe-DSL runtime import, else the reason."""
+    """None when flash-attn-4 with this series' patches and its CuTe-DSL runtime import, else the reason."""
     try:
         import_cute("interface")
     except Exception as error:  # any import failure means no Hopper backend
         where = traceback.extract_tb(error.__traceback__)[-1]
         return (f"flash-attn-4 (the CuTe-DSL kernels, extra `[hopper]`) is not importable: "
                 f"{type(error).__name__}: {error} (at {where.filename}:{where.lineno})")
+    return unpatched_reason()
+
+
+def unpatched_reason() -> Optional[str]:
+    """None when the importable flash_attn.cute carries this series' stage-4 patches, else why not."""
+    try:
+        series = import_cute("sparse_series").SERIES
+    except (ImportError, AttributeError):
+        return (f"the installed flash-attn-4 lacks this series' stage-4 patches (no "
+                f"flash_attn.cute.sparse_series: the unpatched release?); {PATCHED_WHEEL_HINT}")
+    if series != EXPECTED_SERIES:
+        return (f"the installed flash-attn-4 carries patch series {series!r}, this package needs "
+                f"{EXPECTED_SERIES!r}; {PATCHED_WHEEL_HINT}")
     return None
 
 
