@@ -269,8 +269,12 @@ import torch, flash_attn_2_cuda
 q = torch.zeros(1, 1, 1, 64, dtype=torch.bfloat16, device="cuda")
 cnt = torch.zeros(1, 1, 1, dtype=torch.int32, device="cuda")
 try:  # k in float32: refused by mha_fwd_sparse's dtype check
-    flash_attn_2_cuda.sparse_fwd(q, q.float(), q, None, cnt, cnt.view(1, 1, 1, 1), None, None, None, None, None, None,
-                                 None, None, 1, 1, 128, 0, 1.0, False, 1, False, None, None, 0, None, None)
+    flash_attn_2_cuda.sparse_fwd(
+        q=q, k=q.float(), v=q, out=None, full_cnt=cnt, full_idx=cnt.view(1, 1, 1, 1), mask_cnt=None, mask_idx=None,
+        cu_seqlens_q=None, cu_seqlens_k=None, seqused_k=None, page_table=None, cu_total_m_blocks=None,
+        cu_block_idx_offsets=None, max_seqlen_q=1, max_seqlen_k=1, block_size=128, q_block_size=0, softmax_scale=1.0,
+        is_causal=False, num_splits=1, pack_gqa=False, out_partial=None, lse_partial=None, partial_offset=0,
+        k_mask_source=None, v_mask_source=None)
 except RuntimeError as error:
     print("RuntimeError:", str(error).splitlines()[0])
 """

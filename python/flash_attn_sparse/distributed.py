@@ -63,7 +63,8 @@ def gpu_local_forward(q, k, v, blocks, *, causal, softmax_scale, seqused_k=None,
     varlen (heads, total_q))."""
     from .interface import flash_attn_varlen_with_sparse_blocks, flash_attn_with_sparse_block_table
     if cu_seqlens_q is not None:
-        return flash_attn_varlen_with_sparse_blocks(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, blocks,
+        return flash_attn_varlen_with_sparse_blocks(q, k, v, blocks, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
+                                                    max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k,
                                                     causal=causal, softmax_scale=softmax_scale, backend=backend)
     return flash_attn_with_sparse_block_table(q, k, v, blocks, causal=causal, softmax_scale=softmax_scale, backend=backend,
                                               seqused_k=seqused_k, page_table=page_table)

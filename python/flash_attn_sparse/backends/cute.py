@@ -75,18 +75,21 @@ def unpatched_reason() -> Optional[str]:
     return None
 
 
-_ZERO_COUNTS = {}  # device -> the (1, 1, 1) zero count of _zero_counts
+_ZERO_COUNTS = {}  # (device, shape) -> the zero counts of _zero_counts
 
 
-def _zero_counts(device: torch.device) -> Tensor:
-    """A (1, 1, 1) zero, viewed with the full lists' shape for every tile: the counts of the empty mask
-    lists its kernels require. Made once per device, outside any graph capture (a tensor made
-    during one belongs to that graph's pool), so a decode call writes nothing before its kernel."""
-    zero = _ZERO_COUNTS.get(device)
+def _zero_counts(device: torch.device, shape: Tuple[int, ...]) -> Tensor:
+    """Zero counts of the full lists' shape: the empty mask lists its kernels require. flash-attn-4
+    matches their batch, head and m-block dims with the full lists' (it packs GQA heads by their
+    head count) and needs a unit stride in the last dim, so no broadcast view will do. Made once
+    per (device, shape), outside any graph capture (a tensor made during one belongs to that
+    graph's pool), so a repeated decode call writes nothing before its kernel."""
+    key = (device, tuple(shape))
+    zero = _ZERO_COUNTS.get(key)
     if zero is None:
-        zero = torch.zeros(1, 1, 1, dtype=torch.int32, device=device)
+        zero = torch.zeros(shape, dtype=torch.int32, device=device)
         if device.type != "cuda" or not torch.cuda.is_current_stream_capturing():
-            _ZERO_COUNTS[device] = zero
+            _ZERO_COUNTS[key] = zero
     return zero
 
 
@@ -174,8 +177,8 @@ def block_sparse_tensors(blocks: SparseBlocks, *, batch: int, max_seqlen_q: int,
         mask_cnt, mask_idx = adapt(blocks.mask_cnt, blocks.mask_idx)
     elif blocks.is_varlen:  # empty mask lists, whose ids are never read
         mask_cnt, mask_idx = torch.zeros_like(full_cnt), full_idx
-    else:  # the counts' view must have the full lists' shape: flash-attn-4 matches their m-block and head dims
-        mask_cnt, mask_idx = _zero_counts(full_cnt.device).expand(full_cnt.shape), full_idx
+    else:
+        mask_cnt, mask_idx = _zero_counts(full_cnt.device, full_cnt.shape), full_idx
     return to_cute_block_sparse_tensors(SparseBlocks(
         full_cnt, full_idx, mask_cnt, mask_idx, block_size=blocks.block_size, q_block_size=q_block,
         cu_total_m_blocks=blocks.cu_total_m_blocks,
