@@ -17,6 +17,10 @@ BLOCK = 128
 
 
 def _backend_or_skip(backend):
+    if backend == "fa3":
+        from flash_attn_sparse.backends import fa3_ops
+        if reason := fa3_ops.missing_build():
+            pytest.skip(reason)
     if backend == "fa4":
         if torch.cuda.get_device_capability() != (9, 0):
             pytest.skip("the FA-4 backend runs on sm_90 only")
@@ -61,7 +65,7 @@ def _check(out, lse, ref_out, ref_lse, low_out):
     assert max_err(lse[lse_good], ref_lse[lse_good]) <= 1e-3
 
 
-@pytest.mark.parametrize("backend", ["fa2", "fa4"])
+@pytest.mark.parametrize("backend", ["fa2", "fa3", "fa4"])
 @pytest.mark.parametrize("num_splits", [0, 1, 4])
 @pytest.mark.parametrize("shape", list(SHAPES))
 @pytest.mark.parametrize("where", POISONS)
