@@ -202,7 +202,7 @@ def install(session: Session, wheel: Path) -> bool:
     session.env.update(FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED="1", FLASH_ATTENTION_CUTE_DSL_CACHE_DIR="/tmp/cutedsl-cache")
     session.fa4_wheel = session.newest("flash_attn_4-*.whl")
     fa3_wheel = session.newest("flash_attn_3-*.whl")
-    if fa3_wheel and not session.options.no_fa3:
+    if fa3_wheel:  # built here, or carried back and laid into dist/ (with --no-fa3 too)
         rc = session.pip_install(fa3_wheel, site)
         session.note(f"flash_attn_3: {fa3_wheel.name}" if rc == 0 else "flash_attn_3 install: FAILED")
         session.act(f"tar {fa3_wheel.name} into dist-fa3-wheel.tar", gpu_steps.tar_one, fa3_wheel,
