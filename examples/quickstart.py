@@ -29,11 +29,11 @@ out, lse = flash_attn_with_sparse_block_table(q, k, v, blocks, block_size=block_
 backend, why = choose_backend(q, k, v, blocks, block_size=block_size)
 
 # fp32 reference: attention over exactly the listed blocks of each (batch, K/V head).
-listed = torch.zeros(batch, heads_k, n_blocks, dtype=torch.bool, device="cuda")
 count = blocks.full_cnt[:, :, 0].long()
 rank = torch.arange(blocks.full_idx.shape[-1], device="cuda")
-ids = blocks.full_idx[:, :, 0].long().clamp(0, n_blocks - 1)
-listed.scatter_(2, ids, rank < count.unsqueeze(-1))
+# Entries past a row's count go to a spare column, so they cannot unmark a listed block.
+ids = torch.where(rank < count.unsqueeze(-1), blocks.full_idx[:, :, 0].long(), n_blocks)
+listed = torch.zeros(batch, heads_k, n_blocks + 1, dtype=torch.bool, device="cuda").scatter_(2, ids, True)[..., :n_blocks]
 visible = listed.repeat_interleave(block_size, dim=2).repeat_interleave(heads // heads_k, dim=1)
 logits = torch.einsum("bqhd,bkhd->bhqk", q.float(), k.float().repeat_interleave(heads // heads_k, dim=2))
 logits = logits / head_dim ** 0.5

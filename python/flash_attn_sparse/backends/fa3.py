@@ -31,11 +31,16 @@ def num_splits(call) -> int:
     return call.requested_splits
 
 
-def run(call, splits: int) -> Tuple[Tensor, Tensor]:
+def run(call, splits: int, out: Optional[Tensor] = None) -> Tuple[Tensor, Tensor]:
+    """(out, lse); the op allocates its output, so a given `out` is filled by a copy."""
     varlen = call.varlen
-    return fa3_ops.sparse_fwd(call.q, call.k, call.v, call.effective_blocks(), softmax_scale=call.scale,
+    result, lse = fa3_ops.sparse_fwd(call.q, call.k, call.v, call.effective_blocks(), softmax_scale=call.scale,
                               causal=call.causal, num_splits=splits,
                               cu_seqlens_q=call.cu_seqlens_q if varlen else None,
                               cu_seqlens_k=call.cu_seqlens_k if varlen else None,
                               max_seqlen_q=call.max_seqlen_q if varlen else None,
                               max_seqlen_k=call.max_seqlen_k if varlen else None)
+    if out is None:
+        return result, lse
+    out.copy_(result)
+    return out, lse

@@ -213,7 +213,10 @@ def num_splits(call) -> int:
 def run(call, splits: int, out: Optional[Tensor] = None) -> Tuple[Tensor, Tensor]:
     """(out, lse) of `call` over `splits` splits. flash-attn-4's forward allocates its output, so
     a given `out` is filled by a copy (one extra pass over the output)."""
-    result, lse = launch_entry(call_entry(call, splits), call.q, call.k, call.v)
+    result, lse = launch(call.q, call.k, call.v, call.effective_blocks(), softmax_scale=call.scale, causal=call.causal,
+                         batch=call.batch, max_seqlen_q=call.max_seqlen_q, max_seqlen_k=call.max_seqlen_k,
+                         cu_seqlens_q=call.cu_seqlens_q, cu_seqlens_k=call.cu_seqlens_k, seqused_k=call.seqused_k,
+                         num_splits=splits, mask_source=call.mask_source)
     if out is None:
         return result, lse
     out.copy_(result)
