@@ -114,7 +114,7 @@ def test_bad_backend_name_is_refused():
     q = torch.randn(1, 4, 2, 64, dtype=torch.bfloat16)
     k = v = torch.randn(1, 256, 2, 64, dtype=torch.bfloat16)
     with pytest.raises(SparseInputError, match="^backend"):
-        fas.flash_attn_with_sparse_block_table(q, k, v, torch.arange(2, dtype=torch.int32), backend="fa3")
+        fas.flash_attn_with_sparse_block_table(q, k, v, torch.arange(2, dtype=torch.int32), backend="fa5")
 
 
 def test_missing_runtime_is_named():
