@@ -22,10 +22,7 @@ import dataclasses
 import hashlib
 import os
 import shutil
-import subprocess
-import sys
 import tarfile
-import tempfile
 import tomllib
 import zipfile
 from pathlib import Path
@@ -136,19 +133,8 @@ def fetch(layout: Layout, offline: bool = False, mirror: Path | str | None = Non
 
 
 def _download_wheel(pin: WheelPin, cache: Path) -> None:
-    from forktools.upstream import verify_sha256
-
-    with tempfile.TemporaryDirectory(dir=cache, prefix=".download-") as scratch:
-        command = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
-                   f"{pin.name}=={pin.version}", "-d", scratch]
-        print("+", " ".join(command), flush=True)
-        if subprocess.run(command, check=False).returncode:
-            raise ToolError(f"{pin.name}: pip download failed")
-        fetched = Path(scratch) / pin.wheel
-        if not fetched.exists():
-            raise ToolError(f"{pin.name}: pip produced {sorted(os.listdir(scratch))}, not {pin.wheel}")
-        verify_sha256(fetched, pin.sha256, label=f"the downloaded {pin.wheel}")
-        os.replace(fetched, cache / pin.wheel)
+    from forktools.upstream import pip_download  # upstream imports this module
+    pip_download(pin.name, pin.version, pin.wheel, pin.sha256, cache, ["--only-binary=:all:"])
     print(f"{pin.name}: fetched and verified {cache / pin.wheel}")
 
 

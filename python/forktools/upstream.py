@@ -98,19 +98,25 @@ def fetch(layout: Layout, offline: bool = False, mirror: Path | str | None = Non
 
 
 def _download(pin: Pin, cache: Path) -> None:
-    # Download next to the cache so the verified file can be renamed into place atomically.
+    pip_download(pin.name, pin.version, pin.sdist, pin.sha256, cache, ["--no-binary", ":all:", *pin.download_args],
+                 pin.download_env)
+
+
+def pip_download(name: str, version: str, file_name: str, sha256: str, cache: Path, options: list[str],
+                 env: dict | None = None) -> None:
+    """`pip download --no-deps OPTIONS name==version` into cache/file_name, verified by sha256.
+    Downloaded next to the cache so the verified file can be renamed into place atomically."""
     with tempfile.TemporaryDirectory(dir=cache, prefix=".download-") as scratch:
-        command = [sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:",
-                   *pin.download_args, f"{pin.name}=={pin.version}", "-d", scratch]
+        command = [sys.executable, "-m", "pip", "download", "--no-deps", *options, f"{name}=={version}", "-d", scratch]
         print("+", " ".join(command), flush=True)
-        result = subprocess.run(command, env={**os.environ, **pin.download_env})
+        result = subprocess.run(command, env={**os.environ, **(env or {})})
         if result.returncode:
-            raise ToolError(f"{pin.name}: pip download failed (exit {result.returncode})")
-        fetched = Path(scratch) / pin.sdist
+            raise ToolError(f"{name}: pip download failed (exit {result.returncode})")
+        fetched = Path(scratch) / file_name
         if not fetched.exists():
-            raise ToolError(f"{pin.name}: pip produced {sorted(os.listdir(scratch))}, not {pin.sdist}")
-        verify_sha256(fetched, pin.sha256, label=f"the downloaded {pin.sdist}")
-        os.replace(fetched, cache / pin.sdist)
+            raise ToolError(f"{name}: pip produced {sorted(os.listdir(scratch))}, not {file_name}")
+        verify_sha256(fetched, sha256, label=f"the downloaded {file_name}")
+        os.replace(fetched, cache / file_name)
 
 
 def recorded_trees(layout: Layout) -> dict[str, Path]:
