@@ -120,6 +120,34 @@ def test_the_reference_agrees_with_itself_and_the_comparison_catches_errors(conf
     assert checked == 8
 
 
+def test_a_poisoned_value_must_reach_the_rows_that_see_it_and_may_reach_only_the_rows_that_read_it():
+    """NaN in V at a key some rows see: their outputs must stay NaN (a swallowed NaN fails); a
+    NaN in a row whose list names the block but whose mask hides the key passes (a kernel's
+    P = 0 times a loaded NaN); a NaN in a row whose list does not name the block fails."""
+    c = next(c for c in (space.draw(SEED, i, [64]) for i in range(4000))
+             if c.form == "blocks" and c.causal and c.mask is not None and c.result_defined and c.table_heads == 1
+             and c.batch * c.heads * max(c.seqlens_q) * max(c.seqlens_k) <= 20000 and c.seqlens_q[0] > 1
+             and any(c.mask[0][0]) and c.poison is None and c.seqused_k is None)
+    c.poison = ("v", "nan")
+    case = Case(c, SEED, device="cpu")
+    case.v.fill_(0.5)
+    block = next(ids[0] for ids in c.mask[0][0] if ids)
+    case.v[0, min((block + 1) * c.block_size, c.seqlens_k[0]) - 1, 0, 0] = float("nan")  # its last key
+    exact, low = case.reference(torch.float64), case.reference(case.dtype)
+    reach = case.non_finite_reach()
+    assert 0 < int((~torch.isfinite(exact[0])).sum()) < int(reach[0].sum())  # some rows read the key but mask it
+    assert compare(exact, exact, low, case.dtype, reach) == ""
+    swallowed = exact[0].nan_to_num(0.5)
+    assert "swallowed" in compare((swallowed, exact[1]), exact, low, case.dtype, reach)
+    stray_in_reach = exact[0].masked_fill(reach[0], float("nan"))
+    assert compare((stray_in_reach, exact[1]), exact, low, case.dtype, reach) == ""
+    outside = ~reach[0] & torch.isfinite(exact[0])
+    if outside.any():
+        stray = exact[0].clone()
+        stray[outside.nonzero()[0].unbind()] = float("nan")
+        assert "no non-finite input reaches" in compare((stray, exact[1]), exact, low, case.dtype, reach)
+
+
 class FakeCase:
     """A Case whose backends are scripted: each returns the reference, raises, or allocates an
     output buffer and then refuses."""
@@ -134,6 +162,9 @@ class FakeCase:
 
     def reference(self, dtype):
         return self.inner.reference(dtype)
+
+    def non_finite_reach(self):
+        return self.inner.non_finite_reach()
 
     def route(self):
         return self._route

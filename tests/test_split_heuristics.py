@@ -23,6 +23,7 @@ H200_SLOTS = 2 * 132  # two split-kernel CTAs per SM
     (8, 256, 29),    # B1 Hk8 at 1/4: 39.7 us, within 0.1 us of the best of 1-32 (run 41)
     (256, 16, 1),    # the CTAs already fill the GPU
     (64, 1, 1),      # one tile cannot be split
+    (0, 4, 1),       # no CTAs (every varlen query sequence empty): fuzzer seed 2's ZeroDivisionError
 ])
 def test_choose_num_splits(ctas, tiles, expected):
     assert choose_num_splits(ctas, H200_SLOTS, tiles) == expected

@@ -159,3 +159,14 @@ def test_reference_matches_textbook_softmax():
     e = math.e
     assert abs(lse.item() - math.log(e + 1)) < TOL
     assert torch.allclose(out[0, 0, 0], torch.tensor([2 * e / (e + 1), 4 / (e + 1)], dtype=torch.float64), atol=TOL)
+
+
+def test_reference_non_finite_v_reaches_only_the_rows_that_see_its_key():
+    """A NaN / Inf value at a key a row does not see must not reach that row (0 * NaN would)."""
+    q, k, v = (torch.randn(1, n, 1, 8, dtype=torch.float64) for n in (2, 3, 3))
+    v[0, 2, 0, 5] = float("nan")
+    visible = torch.tensor([[True, True, False], [True, True, True]])
+    out, lse = attention_ref(q, k, v, visible)
+    clean, _ = attention_ref(q, k[:, :2], v[:, :2], visible[:, :2])
+    assert torch.equal(out[0, 0], clean[0, 0]) and torch.isfinite(lse).all()
+    assert torch.isnan(out[0, 1, 0, 5]) and torch.isfinite(out[0, 1, 0, :5]).all()

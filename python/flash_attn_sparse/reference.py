@@ -32,7 +32,12 @@ def attention_ref(q: Tensor, k: Tensor, v: Tensor, visible: Tensor, softmax_scal
     scores = scores.masked_fill(~visible, float("-inf"))
     lse = torch.logsumexp(scores, dim=-1)  # -inf for rows that see nothing
     probs = torch.exp(scores - lse.unsqueeze(-1).masked_fill(torch.isinf(lse).unsqueeze(-1), 0.0))
-    out = torch.einsum("bhqk,bkhd->bqhd", probs, vf)
+    # A non-finite V reaches only the rows that see its key (0 * NaN would reach every row).
+    finite_v = torch.isfinite(vf)
+    out = torch.einsum("bhqk,bkhd->bqhd", probs, vf.where(finite_v, 0))
+    if not finite_v.all():
+        seen = visible.expand(batch, heads, seqlen_q, scores.shape[-1]).to(dtype)
+        out = out.masked_fill(torch.einsum("bhqk,bkhd->bqhd", seen, (~finite_v).to(dtype)) > 0, float("nan"))
     return out, lse
 
 

@@ -40,7 +40,7 @@ class Case:
         self.dtype = DTYPES[c.dtype]
         g = torch.Generator(device=device).manual_seed(seed * 1_000_003 + c.index)
         randn = lambda *shape: torch.randn(*shape, generator=g, device=device).to(self.dtype)
-        self.int32 = lambda values: torch.tensor(values, dtype=torch.int32, device=device)
+        self._tables = {}
         H, Hk, D, B = c.heads, c.heads_k, c.head_dim, c.batch
         self.varlen = c.form == "varlen"
         if self.varlen:
@@ -58,6 +58,14 @@ class Case:
         if c.form == "paged":
             self._page()
         self.blocks = self._blocks()
+
+    def int32(self, values: list) -> Tensor:
+        """values as a device int32 tensor, made once per Case: a call under graph capture
+        cannot copy from the host, so its tables are made by the warm-up run before it."""
+        key = tuple(values)
+        if key not in self._tables:
+            self._tables[key] = torch.tensor(values, dtype=torch.int32, device=self.device)
+        return self._tables[key]
 
     def _page(self):
         c = self.c
@@ -194,8 +202,22 @@ class Case:
     # ---- reference ---------------------------------------------------------------------------
     def reference(self, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
         """(out, lse) in the layout of call()'s, computed in `dtype` over padded batched tensors."""
-        q, k, v, visible = self.dense_problem()
-        out, lse = attention_ref(q, k, v, visible, dtype=dtype)
+        q, k, v, visible, _ = self.dense_problem()
+        return self._packed(*attention_ref(q, k, v, visible, dtype=dtype))
+
+    def non_finite_reach(self) -> tuple[Tensor, Tensor]:
+        """(output elements, LSE rows) that a non-finite K or V value may reach in a kernel, in
+        the layout of call()'s: every row whose lists name the value's block, masked for that row
+        (causal, a tile's other rows) or not, since a kernel multiplies P = 0 by what it loads.
+        The reference's non-finite elements are a subset; a kernel's must lie within this."""
+        q, k, v, _, read = self.dense_problem()
+        group = q.shape[2] // k.shape[2]
+        bad = ((~torch.isfinite(k)).any(-1, keepdim=True) | ~torch.isfinite(v)).repeat_interleave(group, dim=2)
+        out = torch.einsum("bhqk,bkhd->bqhd", read.float(), bad.float()) > 0
+        return self._packed(out, out.any(-1).transpose(1, 2))
+
+    def _packed(self, out: Tensor, lse: Tensor) -> tuple[Tensor, Tensor]:
+        """Padded batched (out, lse) in the layout of call()'s (varlen: packed rows)."""
         if not self.varlen:
             return out, lse
         rows = [(b, i) for b, sq in enumerate(self.c.seqlens_q) for i in range(sq)]
@@ -204,7 +226,8 @@ class Case:
         return out[bi, qi], lse[bi, :, qi].transpose(0, 1)
 
     def dense_problem(self):
-        """q (B, Sq, H, D), k and v (B, Sk, Hk, D) and visibility (B, H, Sq, Sk); built once."""
+        """q (B, Sq, H, D), k and v (B, Sk, Hk, D), visibility and the keys the kernels read
+        (listed, before the causal mask) (B, H, Sq, Sk); built once."""
         if not hasattr(self, "_dense"):
             self._dense = self._dense_problem()
         return self._dense
@@ -221,6 +244,7 @@ class Case:
         sk_eff = c.effective_seqlens_k()
         n_blocks, q_block, group = cdiv(sk_max, c.block_size), c.resolved_q_block(), H // self.table_heads()
         visible = torch.zeros(B, H, sq_max, sk_max, dtype=torch.bool, device=self.device)
+        read = torch.zeros_like(visible)
         for b in range(B):
             sq, sk = c.seqlens_q[b], sk_eff[b]
             in_seq = (keys < sk)[None, :] & (rows < sq)[:, None]
@@ -234,10 +258,11 @@ class Case:
                 listed = listed.to(self.device)
                 tile_of_row = (rows // q_block).clamp(max=tiles - 1)
                 seen = listed[:, tile_of_row][:, :, keys // c.block_size] & in_seq
+                read[b] |= seen.repeat_interleave(group, dim=0)
                 if kind == "mask" and c.causal:
                     seen &= causal_ok
                 visible[b] |= seen.repeat_interleave(group, dim=0)
-        return q, k, v, visible
+        return q, k, v, visible, read
 
     def table_heads(self) -> int:
         return self.c.table_heads if self.c.form in ("blocks", "varlen", "paged") else 1
@@ -285,8 +310,9 @@ class Case:
         rows = torch.arange(sq, device=self.device)[:, None]
         spec_keys = torch.arange(c.spec_len, device=self.device)[None, :]
         visible = torch.ones(sq, k.shape[1], dtype=torch.bool, device=self.device)
+        read = visible.clone()
         if c.causal:
             visible[:, n_missed:] = spec_keys <= rows + c.spec_len - sq
-        return self.q, k, v, visible
+        return self.q, k, v, visible, read
 
 

@@ -42,8 +42,8 @@ def choose_num_splits(batch_heads_mblocks: int, num_slots: int, num_tiles: int, 
     One split if the CTAs nearly fill the GPU; else the fewest splits within 85% of the best
     wave efficiency, counting a split count as distinct only if it changes tiles per split.
     """
-    if batch_heads_mblocks >= 0.8 * num_slots:
-        return 1
+    if batch_heads_mblocks == 0 or batch_heads_mblocks >= 0.8 * num_slots:
+        return 1  # (no CTAs: every query sequence empty)
     max_splits = min(max_splits, num_slots, num_tiles)
     candidates, efficiencies = [], []
     for splits in range(1, max_splits + 1):
