@@ -81,11 +81,34 @@ class Decision:
         self.backend, self.why = choose(call)
         self.num_splits = BACKENDS[self.backend].num_splits(call)
         self.call = call
+        self._launch = None
 
     def run(self, call: SparseCall, out: Optional[Tensor] = None) -> Tuple[Tensor, Tensor]:
         if not torch.compiler.is_compiling() and logger.isEnabledFor(logging.DEBUG):
             logger.debug("sparse forward on %s (%s)", self.backend, self.why)
         return BACKENDS[self.backend].run(call, self.num_splits, out)
+
+    def bind(self, call: SparseCall, q: Tensor, k: Tensor, v: Tensor, blocks: SparseBlocks) -> None:
+        """Prepares launch() for calls like `call` (validated from the caller's q, k, v, blocks)
+        and drops the call's tensors: the backend's launcher if it has one, and what the call
+        changed of the caller's tensors (a contiguous copy, batch-broadcast lists)."""
+        launcher = getattr(BACKENDS[self.backend], "launcher", None)
+        self._launch = launcher(call, self.num_splits) if launcher is not None else None
+        self._contiguous = call.q is not q or call.k is not k or call.v is not v
+        self._broadcast = not call.varlen and call.blocks is not blocks
+        self.call = call.rebind(**dict.fromkeys(TENSOR_FIELDS))  # keep no caller's tensor alive
+
+    def launch(self, q, k, v, blocks: SparseBlocks, out: Optional[Tensor], tensors: dict) -> Tuple[Tensor, Tensor]:
+        """The bound forward over tensors of the facts bind() saw (the caller has compared them)."""
+        if self._contiguous:
+            q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
+        if self._broadcast:
+            blocks = broadcast_batch(blocks, self.call.batch)
+        if self._launch is None:
+            return self.run(self.call.rebind(q=q, k=k, v=v, blocks=blocks, **tensors), out)
+        if logger.isEnabledFor(logging.DEBUG):
+            logger.debug("sparse forward on %s (%s)", self.backend, self.why)
+        return self._launch(q, k, v, blocks, out, **tensors)
 
 
 def run(call: SparseCall, out: Optional[Tensor] = None) -> Tuple[Tensor, Tensor]:
@@ -97,7 +120,7 @@ def facts(t) -> tuple:
     """A tensor's identity facts (what a plan or the cache compares): shape, strides, dtype, device."""
     if not isinstance(t, Tensor):
         return None if t is None else (type(t),)
-    return tuple(t.shape), t.stride(), t.dtype, t.device
+    return t.shape, t.stride(), t.dtype, t.device
 
 
 def blocks_facts(b: SparseBlocks) -> tuple:
@@ -111,9 +134,10 @@ _decisions: "OrderedDict[tuple, Decision]" = OrderedDict()
 
 def run_cached(q, k, v, blocks: SparseBlocks, out: Optional[Tensor], validate: Optional[str],
                **options) -> Tuple[Tensor, Tensor]:
-    """The one-shot forward through a cache of decisions keyed on the tensors' facts and the
-    options (never their data): a repeated shape skips validation, routing and the split choice.
-    Calls that ask for exhaustive validation, are traced, or pass odd inputs are not cached."""
+    """The one-shot forward through a cache of decisions keyed on the tensors' facts (out's too)
+    and the options (never their data): a repeated shape skips validation, routing, the split
+    choice and the argument building, and launches through the backend's launcher. Calls that
+    ask for exhaustive validation, are traced, or pass odd inputs are not cached."""
     tensors = {name: options.pop(name, None) for name in ("cu_seqlens_q", "cu_seqlens_k", "seqused_k", "page_table")}
     cacheable = (not exhaustive_validation_requested(validate) and not torch.compiler.is_compiling()
                  and all(isinstance(t, Tensor) for t in (q, k, v)) and isinstance(blocks, SparseBlocks)
@@ -122,25 +146,20 @@ def run_cached(q, k, v, blocks: SparseBlocks, out: Optional[Tensor], validate: O
         call = SparseCall(q, k, v, blocks, validate=validate, **tensors, **options)
         check_out(out, call.q)
         return run(call, out)
-    key = (facts(q), facts(k), facts(v), blocks_facts(blocks), tuple(sorted(options.items())),
+    key = (facts(q), facts(k), facts(v), facts(out), blocks_facts(blocks), tuple(options.items()),
            tuple(facts(t) for t in tensors.values()))
     decision = _decisions.get(key)
     if decision is None:
         call = SparseCall(q, k, v, blocks, **tensors, **options)
+        check_out(out, call.q)
         decision = Decision(call)
-        decision.call = call.rebind(**dict.fromkeys(TENSOR_FIELDS))  # keep no caller's tensor alive
+        decision.bind(call, q, k, v, blocks)
         _decisions[key] = decision
         if len(_decisions) > CACHE_SIZE:
             _decisions.popitem(last=False)
-        q, k, v = call.q, call.k, call.v  # contiguous where the kernels need it
     else:
         _decisions.move_to_end(key)
-        if q.stride(-1) != 1 or k.stride(-1) != 1 or v.stride(-1) != 1:
-            q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
-    check_out(out, q)
-    if not decision.call.varlen:
-        blocks = broadcast_batch(blocks, decision.call.batch)
-    return decision.run(decision.call.rebind(q=q, k=k, v=v, blocks=blocks, **tensors), out)
+    return decision.launch(q, k, v, blocks, out, tensors)
 
 
 def flash_attn_with_sparse_block_table(q: Tensor, k: Tensor, v: Tensor, sparse_block_table: BlockTable, *,

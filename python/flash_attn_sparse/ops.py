@@ -11,6 +11,7 @@ import torch
 from torch import Tensor
 
 
+@functools.lru_cache(maxsize=None)  # an import statement per launch costs host time
 def _cuda_module():
     import flash_attn_2_cuda
     return flash_attn_2_cuda

@@ -28,7 +28,8 @@ class SparsePlan:
     tensors): update them in place between runs, within the shapes planned (list capacity,
     pages), and the next run sees them. On the FA-2 backend run launches the extension directly
     (no custom-op dispatch, no allocation but lse's, no host sync), so it can be captured in a
-    CUDA graph. On the FA-4 backend a batched plan converts the lists to flash-attn-4's
+    CUDA graph; on FA-3 it calls the op's overload with its arguments bound (backends/fa3.launcher).
+    On the FA-4 backend a batched plan converts the lists to flash-attn-4's
     block-sparse tensors (views) once and run calls flash-attn-4's forward (its own Python
     dispatch and compile-cache lookup remain, and it allocates its output, copied into out); a
     varlen FA-4 plan converts its lists on each run.
@@ -58,11 +59,16 @@ class SparsePlan:
         self.out = torch.empty_like(q)
         self._out_facts = facts(self.out)
         # The extension's arguments, the lists included, bound once: run adds q, k, v.
-        self._extension_args = self._fa4_entry = None
+        self._extension_args = self._fa4_entry = self._launch = None
         if self.backend == "fa2":
             self._extension_args = dict(ops.extension_args(fa2.op_args(call, self.num_splits)), q=None, k=None, v=None)
-        elif not call.varlen:  # flash-attn-4's block-sparse tensors: views of the lists, converted once
-            self._fa4_entry = fa4.call_entry(call, self.num_splits)
+        elif self.backend == "fa4":
+            if not call.varlen:  # flash-attn-4's block-sparse tensors: views of the lists, converted once
+                self._fa4_entry = fa4.call_entry(call, self.num_splits)
+        else:
+            self._launch = BACKENDS[self.backend].launcher(call, self.num_splits)
+            self._launch_tensors = dict(cu_seqlens_q=call.cu_seqlens_q, cu_seqlens_k=call.cu_seqlens_k,
+                                        seqused_k=call.seqused_k, page_table=call.page_table)
 
     def run(self, q: Tensor, k: Tensor, v: Tensor, out: Optional[Tensor] = None) -> Tuple[Tensor, Tensor]:
         """(out, lse) of the planned forward over q, k, v (see the class)."""
@@ -72,6 +78,8 @@ class SparsePlan:
             out = self.out
         elif facts(out) != self._out_facts:
             check_out(out, q)  # names what differs; an out of other strides but a contiguous last dim runs
+        if self._launch is not None:
+            return self._launch(q, k, v, self.blocks, out, **self._launch_tensors)
         if self._fa4_entry is not None:
             result, lse = fa4.launch_entry(self._fa4_entry, q, k, v)
             out.copy_(result)

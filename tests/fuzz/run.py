@@ -130,7 +130,8 @@ def compare(got, ref, low, dtype, reach=None) -> str:
         return f"{stray} output elements non-finite where no non-finite input reaches"
     finite &= torch.isfinite(out)
     nan_lse, nan_ref = torch.isnan(lse), torch.isnan(ref_lse)
-    if (nan_ref & ~nan_lse).any() or (nan_lse & ~nan_ref & ~reach_lse).any() or not torch.equal(torch.isneginf(lse), torch.isneginf(ref_lse)):
+    if ((nan_ref & ~nan_lse).any() or (nan_lse & ~nan_ref & ~reach_lse).any()
+            or not torch.equal(torch.isneginf(lse), torch.isneginf(ref_lse))):
         return "LSE NaN / -inf pattern differs from the reference's"
     if finite.any():
         err = (out - ref_out)[finite].abs().max().item()

@@ -9,8 +9,9 @@ test_split_heuristics.py and tests/test_seam_parity.py hold them to the C++).
 """
 
 import math
-from typing import Optional, Tuple
+from typing import Callable, Optional, Tuple
 
+import torch
 from torch import Tensor
 
 from .. import ops
@@ -136,3 +137,23 @@ def run_partial(call, out_partial: Tensor, lse_partial: Tensor, offset: int, spl
     """Writes `splits` fp32 partials of `call` into slots [offset, offset + splits)."""
     ops.sparse_fwd_partial(**op_args(call, splits), out_partial=out_partial, lse_partial=lse_partial,
                            partial_offset=offset)
+
+
+def launcher(call, splits: int) -> Callable:
+    """launch(q, k, v, blocks, out, **tensors) -> (out, lse): this call's forward over new tensors
+    of the same facts (shapes, strides, dtypes, devices), straight through the extension with
+    every other argument bound here once (the one-shot cache's hit path; not traceable).
+    tensors: cu_seqlens_q, cu_seqlens_k, seqused_k, page_table. Not for speculative calls (their
+    mask lists and source are the call's own)."""
+    assert call.mask_lists is None and call.mask_source is None
+    bound = {name: value for name, value in ops.extension_args(op_args(call, splits)).items() if not isinstance(value, Tensor)}
+
+    def launch(q, k, v, blocks, out, cu_seqlens_q=None, cu_seqlens_k=None, seqused_k=None, page_table=None):
+        if out is None:
+            out = torch.empty_like(q)
+        return out, ops.launch_direct(dict(bound, q=q, k=k, v=v, full_cnt=blocks.full_cnt, full_idx=blocks.full_idx,
+                                           mask_cnt=blocks.mask_cnt, mask_idx=blocks.mask_idx,
+                                           cu_total_m_blocks=blocks.cu_total_m_blocks,
+                                           cu_block_idx_offsets=blocks.cu_block_idx_offsets, cu_seqlens_q=cu_seqlens_q,
+                                           cu_seqlens_k=cu_seqlens_k, seqused_k=seqused_k, page_table=page_table), out)
+    return launch

@@ -8,7 +8,7 @@ seqused_k, and a second K/V source for the mask lists (the speculative one-launc
 the op does not take.
 """
 
-from typing import Optional, Tuple
+from typing import Callable, Optional, Tuple
 
 from torch import Tensor
 
@@ -31,16 +31,29 @@ def num_splits(call) -> int:
     return call.requested_splits
 
 
+def launcher(call, splits: int) -> Callable:
+    """launch(q, k, v, blocks, out, **tensors) -> (out, lse): this call's forward over new tensors
+    of the same facts, the op's other arguments bound here once (as fa2.launcher). The op
+    allocates its output, so a given `out` is filled by a copy."""
+    bound = fa3_ops.static_args(call.q, call.effective_blocks(), softmax_scale=call.scale, causal=call.causal,
+                                num_splits=splits, max_seqlen_q=call.max_seqlen_q if call.varlen else None,
+                                max_seqlen_k=call.max_seqlen_k if call.varlen else None)
+    op = fa3_ops.op()
+
+    def launch(q, k, v, blocks, out, cu_seqlens_q=None, cu_seqlens_k=None, seqused_k=None, page_table=None):
+        result, lse = op(q, k, v, blocks.full_cnt, blocks.full_idx, blocks.mask_cnt, blocks.mask_idx,
+                         blocks.cu_total_m_blocks, blocks.cu_block_idx_offsets, cu_seqlens_q=cu_seqlens_q,
+                         cu_seqlens_k=cu_seqlens_k, **bound)
+        if out is None:
+            return result, lse
+        out.copy_(result)
+        return out, lse
+    return launch
+
+
 def run(call, splits: int, out: Optional[Tensor] = None) -> Tuple[Tensor, Tensor]:
     """(out, lse); the op allocates its output, so a given `out` is filled by a copy."""
     varlen = call.varlen
-    result, lse = fa3_ops.sparse_fwd(call.q, call.k, call.v, call.effective_blocks(), softmax_scale=call.scale,
-                              causal=call.causal, num_splits=splits,
-                              cu_seqlens_q=call.cu_seqlens_q if varlen else None,
-                              cu_seqlens_k=call.cu_seqlens_k if varlen else None,
-                              max_seqlen_q=call.max_seqlen_q if varlen else None,
-                              max_seqlen_k=call.max_seqlen_k if varlen else None)
-    if out is None:
-        return result, lse
-    out.copy_(result)
-    return out, lse
+    return launcher(call, splits)(call.q, call.k, call.v, call.effective_blocks(), out,
+                                  cu_seqlens_q=call.cu_seqlens_q if varlen else None,
+                                  cu_seqlens_k=call.cu_seqlens_k if varlen else None)

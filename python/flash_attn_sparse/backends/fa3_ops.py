@@ -69,6 +69,22 @@ def refusal(q: Tensor, k: Tensor, blocks: SparseBlocks, *, varlen: bool, paged: 
     return None
 
 
+def op():
+    """The op's one overload (past torch.ops' overload resolution on every call)."""
+    return torch.ops.flash_attn_3_sparse.fwd.default
+
+
+def static_args(q: Tensor, blocks: SparseBlocks, *, softmax_scale: Optional[float] = None, causal: bool = False,
+                num_splits: int = 1, pack_gqa: Optional[bool] = None, max_seqlen_q: Optional[int] = None,
+                max_seqlen_k: Optional[int] = None) -> dict:
+    """The op's keyword arguments other than its tensors (max_seqlen_* given for varlen calls only)."""
+    seqlen_q = max_seqlen_q if max_seqlen_q is not None else q.shape[1]
+    return dict(max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k,
+                softmax_scale=softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1]),
+                block_size=blocks.block_size, q_block_size=blocks.resolved_q_block_size(seqlen_q or 0),
+                causal=causal, num_splits=num_splits, pack_gqa=pack_gqa)
+
+
 def sparse_fwd(q: Tensor, k: Tensor, v: Tensor, blocks: SparseBlocks, *, softmax_scale: Optional[float] = None,
                causal: bool = False, num_splits: int = 1, pack_gqa: Optional[bool] = None,
                cu_seqlens_q: Optional[Tensor] = None, cu_seqlens_k: Optional[Tensor] = None,
@@ -77,11 +93,8 @@ def sparse_fwd(q: Tensor, k: Tensor, v: Tensor, blocks: SparseBlocks, *, softmax
     (b, s, h, d); varlen ones (total, h, d) with cu_seqlens_* and max_seqlen_*. num_splits=0 lets
     the kernel's host pick a split count from shapes."""
     varlen = cu_seqlens_q is not None
-    seqlen_q = max_seqlen_q if varlen else q.shape[1]
-    return torch.ops.flash_attn_3_sparse.fwd(
-        q, k, v, blocks.full_cnt, blocks.full_idx, blocks.mask_cnt, blocks.mask_idx,
-        blocks.cu_total_m_blocks, blocks.cu_block_idx_offsets, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
-        max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k,
-        softmax_scale=softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1]),
-        block_size=blocks.block_size, q_block_size=blocks.resolved_q_block_size(seqlen_q or 0),
-        causal=causal, num_splits=num_splits, pack_gqa=pack_gqa)
+    bound = static_args(q, blocks, softmax_scale=softmax_scale, causal=causal, num_splits=num_splits, pack_gqa=pack_gqa,
+                        max_seqlen_q=max_seqlen_q if varlen else None, max_seqlen_k=max_seqlen_k if varlen else None)
+    return op()(q, k, v, blocks.full_cnt, blocks.full_idx, blocks.mask_cnt, blocks.mask_idx,
+                blocks.cu_total_m_blocks, blocks.cu_block_idx_offsets, cu_seqlens_q=cu_seqlens_q,
+                cu_seqlens_k=cu_seqlens_k, **bound)
