@@ -10,14 +10,24 @@ At decode shapes the row copy_same_bytes times a device copy moving the counted 
 memory-bound kernel of that size reaches, launch and ramp included; read_listed_blocks times a
 Triton kernel that reads exactly the listed K/V blocks and nothing else (listed_reader.py): the
 same scattered pieces, without the attention.
+Beside ms every row has eager_ms, the wall time per call of 100 back-to-back eager calls (after
+10 warm-up calls, synchronized before and after: what a caller without graphs waits, Python and
+launch gaps included), and host_us, the median over 200 calls of one call's host time started
+on an idle GPU and not waiting for it (what the call costs the CPU); NaN where that timing failed.
+plan_run <backend> times SparsePlan.run (plans made outside the timing) against the API's call;
+*_dense_listed and cudnn_listed time dense FA-3 / FA-2 / cuDNN over a K/V gathered to exactly
+the listed keys (non-causal lists of one length). --pristine-fa4 (flash-attn-4 installed as
+released, without this project's patches) runs only fa4_pristine_blocksparse: its own
+block-sparse call on the same lists in its form.
 
-    python benchmarks/bench_sparse.py [--shapes "B8 Sq16,prefill"] [--out benchmarks/results]
+    python benchmarks/bench_sparse.py [--shapes "B8 Sq16,prefill"] [--out benchmarks/results] [--pristine-fa4]
     (nox -s bench): writes <date>-<gpu>-<commit>.json / .md / .png into --out.
 """
 
 import argparse
 import json
 import random
+import statistics
 import sys
 import time
 from dataclasses import asdict, dataclass
@@ -33,10 +43,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "python"))
 
 import flash_attn_sparse as fas  # noqa: E402
 from flash_attn_sparse import SparseBlocks  # noqa: E402
-from flash_attn_sparse.backends import cute, fa4  # noqa: E402
+from flash_attn_sparse.backends import cute, fa3_ops, fa4  # noqa: E402
 
 BLOCK = 128
 ROTATIONS = 4
+EAGER_WARMUP, EAGER_CALLS, HOST_CALLS = 10, 100, 200  # eager_and_host's call counts
+DEFAULT_METHODS = ",".join(("copy", "read_listed", "fa2_sparse", "fa3_sparse", "fa4_sparse", "fa4_direct", "auto", "plan_run",
+                            "fa2_dense", "fa3_dense_listed", "fa2_dense_listed", "cudnn_listed", "speculative", "sdpa", "flex"))
 
 
 @dataclass
@@ -63,6 +76,8 @@ class Row:
     tbps: float
     roofline_fraction: float
     note: str = ""
+    eager_ms: float = float("nan")  # per call, back-to-back eager calls (eager_and_host)
+    host_us: float = float("nan")   # host time of one call (eager_and_host)
 
 
 def measure_roofline():
@@ -188,6 +203,38 @@ def timed(fn):
         return do_bench(fn, warmup=25, rep=100, return_mode="median"), f"no graph: {type(error).__name__}"
 
 
+def eager_and_host(fn):
+    """(eager ms, host us, note), NaN for a part that failed (the note says which): ms per call of
+    EAGER_CALLS back-to-back eager calls, as a caller without graphs runs them (Python and launch
+    gaps included), and the median host time of one call started on an idle GPU without waiting
+    for it: what the call costs the CPU, which graph replays hide."""
+    eager_ms = host_us = float("nan")
+    failed = []
+    try:
+        for _ in range(EAGER_WARMUP):
+            fn()
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        for _ in range(EAGER_CALLS):
+            fn()
+        torch.cuda.synchronize()
+        eager_ms = (time.perf_counter() - start) * 1e3 / EAGER_CALLS
+    except Exception as error:  # the graph-replay ms stands; this column is NaN
+        failed.append(f"eager timing failed: {type(error).__name__}: {str(error)[:100]}")
+    try:
+        samples = []
+        for _ in range(HOST_CALLS):
+            torch.cuda.synchronize()
+            start = time.perf_counter()
+            fn()
+            samples.append(time.perf_counter() - start)
+        torch.cuda.synchronize()
+        host_us = statistics.median(samples) * 1e6
+    except Exception as error:
+        failed.append(f"host timing failed: {type(error).__name__}: {str(error)[:100]}")
+    return eager_ms, host_us, "; ".join(failed)
+
+
 def random_inputs(shape, seed=0):
     """bf16 q, k, v of the shape, from a seeded generator."""
     g = torch.Generator(device="cuda").manual_seed(seed)
@@ -239,7 +286,70 @@ def speculative_calls(shape, q, k, v, list_sets, backend="auto"):
     return calls
 
 
-def bench_shape(shape, roofline, rows, methods):
+def one_length(shape, lists) -> bool:
+    """Whether non-causal lists give every (batch, K/V head) one list of the same length: those
+    have a dense equivalent, attention over a K/V of exactly the listed keys (listed_kv)."""
+    return not shape.causal and len({len(row) for per_b in lists for row in per_b}) == 1
+
+
+def listed_kv(k, v, lists):
+    """K and V holding exactly the listed keys of lists[b][hk] (ids of BLOCK-key blocks, one
+    length n), in list order: (B, n * BLOCK, Hk, D) each, contiguous, gathered once at setup."""
+    ids = torch.tensor(lists, dtype=torch.int64, device=k.device)  # (B, Hk, n)
+    keys = (ids[..., None] * BLOCK + torch.arange(BLOCK, device=k.device)).flatten(2)  # (B, Hk, n * BLOCK)
+    index = keys.transpose(1, 2)[..., None].expand(-1, -1, -1, k.shape[-1])  # (B, n * BLOCK, Hk, D)
+    return torch.gather(k, 1, index).contiguous(), torch.gather(v, 1, index).contiguous()
+
+
+def keys_per_tile(lists) -> float:
+    """Keys a query tile's causal lists (full, mask) name, on average over (batch, K/V head, tile)."""
+    full, mask = lists
+    lengths = [len(f) + len(d) for full_b, mask_b in zip(full, mask) for full_h, mask_h in zip(full_b, mask_b)
+               for f, d in zip(full_h, mask_h)]
+    return BLOCK * sum(lengths) / len(lengths)
+
+
+def fa3_dense_forward():
+    """(forward, None): upstream FA-3's dense flash_attn_interface.flash_attn_func (the flash_attn_3
+    wheel) returning out only, as its versions return out or (out, lse); or (None, why not)."""
+    try:
+        from flash_attn_interface import flash_attn_func
+    except Exception as error:  # no flash_attn_3 wheel, or one that does not load here
+        return None, f"flash_attn_interface (the flash_attn_3 wheel) is not importable: {type(error).__name__}: {error}"
+
+    def forward(q, k, v, **options):
+        # num_splits=0: FA-3's own split heuristic (its Python default, 1, never splits a decode call)
+        out = flash_attn_func(q, k, v, num_splits=0, **options)
+        return out[0] if isinstance(out, tuple) else out
+    return forward, None
+
+
+def pristine_block_sparse_tensors(blocks, shape):
+    """flash-attn-4's own BlockSparseTensorsTorch of these lists (SparseBlocks of to_blocks) in the
+    form the unpatched release takes: a list per query head (each K/V head's repeated over its
+    group; the release packs no per-K/V-head lists), per 128-row m-block, ids padded to the K/V's
+    block count, and mask lists always given: zero counts for non-causal lists (all "full"),
+    the diagonal block for causal ones (make_causal_lists)."""
+    BlockSparseTensorsTorch = cute.import_cute("block_sparsity").BlockSparseTensorsTorch
+    group, m_blocks, n_blocks = shape.heads // shape.heads_k, -(-shape.seqlen_q // BLOCK), shape.seqlen_k // BLOCK
+
+    def laid_out(cnt, idx):
+        idx = F.pad(idx, (0, n_blocks - idx.shape[-1]))
+        cnt, idx = cnt.expand(-1, -1, m_blocks), idx.expand(-1, -1, m_blocks, -1)  # one non-causal list: every m-block
+        return cnt.repeat_interleave(group, dim=1).contiguous(), idx.repeat_interleave(group, dim=1).contiguous()
+
+    full_cnt, full_idx = laid_out(blocks.full_cnt, blocks.full_idx)
+    if blocks.mask_cnt is None:
+        mask_cnt, mask_idx = torch.zeros_like(full_cnt), torch.zeros_like(full_idx)
+    else:
+        mask_cnt, mask_idx = laid_out(blocks.mask_cnt, blocks.mask_idx)
+    return BlockSparseTensorsTorch(mask_block_cnt=mask_cnt, mask_block_idx=mask_idx, full_block_cnt=full_cnt,
+                                   full_block_idx=full_idx, block_size=(BLOCK, BLOCK))
+
+
+def bench_shape(shape, roofline, rows, methods, pristine=False):
+    """Rows of `methods` at this shape; pristine: flash-attn-4 is the unpatched release, so only
+    fa4_pristine_blocksparse runs (nothing that needs this project's patched kernels)."""
     copy_tbps, matmul_tflops = roofline
     q, k, v = random_inputs(shape)
     list_sets = rotated_list_sets(shape)
@@ -255,13 +365,49 @@ def bench_shape(shape, roofline, rows, methods):
         except Exception as error:  # a peer that cannot run this shape is reported, not fatal
             print(f"  {method}: failed: {type(error).__name__}: {str(error)[:200]}", flush=True)
             return
-        note = "; ".join(n for n in (note, how) if n)
-        rows.append(Row(shape.name, shape.density, method, ms, flops / (ms * 1e-3) / 1e12, nbytes / (ms * 1e-3) / 1e12,
-                        roof_ms / ms, note))
-        print(f"  {method:>22}: {ms:8.4f} ms  {rows[-1].tflops:7.1f} TFLOP/s  {rows[-1].tbps:6.3f} TB/s  "
-              f"{100 * rows[-1].roofline_fraction:5.1f}% of roofline {note}", flush=True)
+        eager_ms, host_us, eager_how = eager_and_host(fn)  # NaN, not a lost row, where they fail
+        note = "; ".join(n for n in (note, how, eager_how) if n)
+        rows.append(Row(shape=shape.name, density=shape.density, method=method, ms=ms, tflops=flops / (ms * 1e-3) / 1e12,
+                        tbps=nbytes / (ms * 1e-3) / 1e12, roofline_fraction=roof_ms / ms, note=note, eager_ms=eager_ms,
+                        host_us=host_us))
+        print(f"  {method:>24}: {ms:8.4f} ms  eager {eager_ms:8.4f} ms  host {host_us:7.1f} us  {rows[-1].tflops:7.1f} TFLOP/s  "
+              f"{rows[-1].tbps:6.3f} TB/s  {100 * rows[-1].roofline_fraction:5.1f}% of roofline {note}", flush=True)
+
+    def built(method, make):
+        """make()'s value, or None with the failure printed: setup outside the timing, guarded as add is."""
+        try:
+            return make()
+        except Exception as error:
+            print(f"  {method}: failed: {type(error).__name__}: {str(error)[:200]}", flush=True)
+            return None
 
     blocks = [to_blocks(lists, shape) for lists in list_sets]
+
+    if pristine:
+        # flash-attn-4 as released: its own block-sparse call on the same lists in its own form
+        # (pristine_block_sparse_tensors), at its default split count; nothing of this project's kernels.
+        setup = built("fa4_pristine_blocksparse", lambda: (cute.import_cute("interface"),
+                                                           [pristine_block_sparse_tensors(b, shape) for b in blocks]))
+        if setup is not None:
+            fa4_interface, tensors = setup
+            note = "flash-attn-4 unpatched: its block-sparse call, lists per query head and 128-row m-block"
+            if cute.unpatched_reason() is None:
+                note += "; WARNING: the installed flash-attn-4 carries this series' patches"
+            add("fa4_pristine_blocksparse", rotating([lambda t=t: fa4_interface.flash_attn_func(
+                q, k, v, causal=shape.causal, block_sparse_tensors=t, return_lse=True) for t in tensors]), note)
+        return
+
+    fa3_missing = fa3_ops.missing_build()
+
+    def fa3_refusal():
+        """Why backend="fa3" cannot run this shape's lists (the build, or the router's SparseInputError), or None."""
+        if fa3_missing:
+            return fa3_missing
+        try:
+            fas.choose_backend(q, k, v, blocks[0], causal=shape.causal, backend="fa3")
+        except fas.SparseInputError as error:
+            return str(error)
+        return None
 
     def ours(backend, num_splits=0):
         return rotating_sparse_call(q, k, v, blocks, causal=shape.causal, backend=backend, num_splits=num_splits)
@@ -291,6 +437,11 @@ def bench_shape(shape, roofline, rows, methods):
             add(name, rotating([lambda i=i, w=walk: read_listed_blocks(k, v, i, BLOCK, w) for i in ids]), note)
     if "fa2_sparse" in methods:
         add("fa2_sparse", ours("fa2"))
+    if "fa3_sparse" in methods:
+        if reason := fa3_refusal():
+            print(f"  fa3_sparse: skipped: {reason}", flush=True)
+        else:
+            add("fa3_sparse", ours("fa3"), "API, backend=fa3")
     if "split_sweep" in methods and shape.seqlen_q <= 16:
         for splits in (2, 4, 8, 16, 32):  # what the split heuristic leaves on the table
             add(f"fa2_sparse splits={splits}", ours("fa2", splits))
@@ -302,6 +453,25 @@ def bench_shape(shape, roofline, rows, methods):
             add(f"fa4_sparse splits={splits}", ours("fa4", splits))
     if "auto" in methods and not fa4_missing:
         add("auto", ours("auto"), f"chose {fas.choose_backend(q, k, v, blocks[0], causal=shape.causal)[0]}")
+    if "plan_run" in methods:
+        # Plan once, run many: a SparsePlan per list set made outside the timing; run() is timed,
+        # for host_us beside the API call's (auto, fa2_sparse, fa3_sparse rows).
+        for backend in ("auto", "fa2", "fa3"):
+            method = f"plan_run {backend}"
+            if backend == "fa3" and (reason := fa3_refusal()):
+                print(f"  {method}: skipped: {reason}", flush=True)
+                continue
+            plans = built(method, lambda backend=backend: [fas.plan(q, k, v, b, causal=shape.causal, backend=backend)
+                                                           for b in blocks])
+            if plans is None:
+                continue
+            if plans[0].backend == "fa3" and getattr(plans[0], "_fa4_entry", None) is not None:
+                # SparsePlan binds flash-attn-4's entry for any planned backend but fa2: run() would
+                # time FA-4's kernel under an fa3 label.
+                print(f"  {method}: skipped: the plan binds flash-attn-4's entry for backend fa3 (plan.py)", flush=True)
+                continue
+            add(method, rotating([lambda p=p: p.run(q, k, v) for p in plans]),
+                f"SparsePlan.run, planned {plans[0].backend} ({plans[0].why})")
     if "fa4_direct" in methods and not fa4_missing:
         # flash-attn-4's kernel called directly on lists already in its form, at the API's split
         # count: the floor of the fa4 backend, whose API call adds its Python (the batched lists
@@ -333,6 +503,44 @@ def bench_shape(shape, roofline, rows, methods):
                 with sdpa_kernel(backend):
                     return F.scaled_dot_product_attention(qt, kt, vt, is_causal=shape.causal and shape.seqlen_q > 1, enable_gqa=True)
             add(name, run)
+    # Dense attention over exactly the listed keys: K/V gathered per list set at setup (listed_kv).
+    listed = None
+    if {"fa3_dense_listed", "fa2_dense_listed", "cudnn_listed"} & methods and not shape.causal:
+        if all(one_length(shape, lists) for lists in list_sets):
+            listed = built("listed K/V", lambda: [listed_kv(k, v, lists) for lists in list_sets])
+        else:
+            print("  *_listed: skipped: lists of several lengths have no one dense K/V", flush=True)
+    if "fa3_dense_listed" in methods:
+        fa3_dense, why_not = fa3_dense_forward()
+        if fa3_dense is None:
+            print(f"  fa3_dense_listed: skipped: {why_not}", flush=True)
+        elif shape.causal:  # per-tile lists have no one dense equivalent: as many keys, non-causal
+            keys = [round(keys_per_tile(lists)) for lists in list_sets]
+            add("fa3_dense_listed", rotating([lambda n=n: fa3_dense(q, k[:, :n], v[:, :n], causal=False) for n in keys]),
+                f"dense FA-3 over as many keys as a tile's lists, non-causal ({keys[0]} keys, k[:, :n])")
+        elif listed:
+            add("fa3_dense_listed", rotating([lambda kl=kl, vl=vl: fa3_dense(q, kl, vl, causal=False) for kl, vl in listed]),
+                "dense FA-3 over K/V gathered to the listed keys")
+    if "fa2_dense_listed" in methods and listed:
+        try:
+            from flash_attn import flash_attn_func as fa2_dense
+        except ImportError as error:
+            print(f"  fa2_dense_listed: skipped: {error}", flush=True)
+        else:
+            add("fa2_dense_listed", rotating([lambda kl=kl, vl=vl: fa2_dense(q, kl, vl, causal=False) for kl, vl in listed]),
+                "dense FA-2 over K/V gathered to the listed keys")
+    if "cudnn_listed" in methods and listed:
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+        qt = q.transpose(1, 2)
+        listed_t = [(kl.transpose(1, 2), vl.transpose(1, 2)) for kl, vl in listed]
+
+        def cudnn(kt, vt):
+            with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+                return F.scaled_dot_product_attention(qt, kt, vt, enable_gqa=True)
+        add("cudnn_listed", rotating([lambda kt=kt, vt=vt: cudnn(kt, vt) for kt, vt in listed_t]),
+            "torch SDPA cuDNN over K/V gathered to the listed keys")
+        del listed_t
+    del listed
     if "flex" in methods:
         from torch.nn.attention.flex_attention import flex_attention
         flex = torch.compile(flex_attention)
@@ -354,8 +562,10 @@ CROSSOVER = [Shape(f"crossover B1 Sq{sq} H32/8 Sk16k", 1, sq, 16384, 32, 8, d, o
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--shapes", help="comma-separated substrings of shape names to run (default: all)")
-    parser.add_argument("--methods", default="copy,read_listed,fa2_sparse,fa4_sparse,fa4_direct,auto,fa2_dense,speculative,sdpa,flex")
+    parser.add_argument("--shapes", help="comma-separated substrings of 'shape-name density' to run (default: all)")
+    parser.add_argument("--methods", default=DEFAULT_METHODS)
+    parser.add_argument("--pristine-fa4", action="store_true",
+                        help="flash-attn-4 here is the unpatched release: run only fa4_pristine_blocksparse")
     parser.add_argument("--out", type=Path, help="folder for <date>-<gpu>-<commit>.json, .md and .png")
     parser.add_argument("--json", type=Path)
     parser.add_argument("--markdown", type=Path)
@@ -364,18 +574,24 @@ def main():
         args.out.mkdir(parents=True, exist_ok=True)
         stem = f"{time.strftime('%Y-%m-%d')}-{torch.cuda.get_device_name().split()[-1].lower()}-{source_commit()}"
         args.json, args.markdown = args.out / f"{stem}.json", args.out / f"{stem}.md"
-    methods = set(args.methods.split(","))
+    methods = {"fa4_pristine_blocksparse"} if args.pristine_fa4 else set(args.methods.split(","))
     shapes = DECODE + PREFILL + CROSSOVER
     if args.shapes:
-        shapes = [s for s in shapes if any(part.strip() in s.name for part in args.shapes.split(","))]
+        # a part matches the shape's name or "name density", e.g. "full 0.25" or "causal 0.25"
+        shapes = [s for s in shapes if any(part.strip() in f"{s.name} {s.density:.4g}" for part in args.shapes.split(","))]
     print(f"GPU: {torch.cuda.get_device_name()}  torch {torch.__version__}", flush=True)
     print(f"FA-4 backend: {cute.missing_runtime() or 'available'}", flush=True)
+    if args.pristine_fa4:
+        print(f"--pristine-fa4: only fa4_pristine_blocksparse, flash-attn-4 {installed_version('flash-attn-4')}", flush=True)
+    else:
+        print(f"FA-3 backend: {fa3_ops.missing_build() or 'available'}", flush=True)
     roofline = measure_roofline()
     print(f"roofline: copy {roofline[0]:.2f} TB/s, bf16 matmul {roofline[1]:.0f} TFLOP/s", flush=True)
     rows = []
     for shape in shapes:
         print(f"{shape.name}, density {shape.density:.4g}", flush=True)
-        bench_shape(shape, roofline, rows, methods & set(shape.only) if shape.only else methods)
+        chosen = methods & set(shape.only) if shape.only and not args.pristine_fa4 else methods
+        bench_shape(shape, roofline, rows, chosen, pristine=args.pristine_fa4)
         write_results(args, roofline, rows)  # after every shape, so a cut-short run keeps its rows
     print(markdown_table(rows))
 
@@ -392,10 +608,20 @@ def source_commit() -> str:
         return marker.read_text().strip() if marker.exists() else "unknown"
 
 
+def installed_version(distribution: str) -> str:
+    """The installed version of `distribution`, or why it is not known."""
+    from importlib import metadata
+    try:
+        return metadata.version(distribution)
+    except metadata.PackageNotFoundError:
+        return "(version unknown: no installed distribution of that name)"
+
+
 def markdown_table(rows):
-    table = ["| shape | density | method | ms | TFLOP/s | TB/s | % roofline | note |", "|---|---|---|---|---|---|---|---|"]
-    table += [f"| {r.shape} | {r.density:.4g} | {r.method} | {r.ms:.4f} | {r.tflops:.1f} | {r.tbps:.3f} | "
-              f"{100 * r.roofline_fraction:.1f} | {r.note} |" for r in rows]
+    table = ["| shape | density | method | ms | eager ms | host us | TFLOP/s | TB/s | % roofline | note |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    table += [f"| {r.shape} | {r.density:.4g} | {r.method} | {r.ms:.4f} | {r.eager_ms:.4f} | {r.host_us:.1f} | {r.tflops:.1f} | "
+              f"{r.tbps:.3f} | {100 * r.roofline_fraction:.1f} | {r.note} |" for r in rows]
     return "\n".join(table) + "\n"
 
 

@@ -193,7 +193,12 @@ def build_model(hidden: int = 1024, layers: int = 4, heads: int = 32, heads_k: i
     with torch.device(device):
         model = LlamaForCausalLM(config)
     model.set_attn_implementation("sdpa")
-    return model.to(dtype).eval()
+    model = model.to(dtype).eval()
+    # The LM head in float32: bf16 logits of a random model tie (top-2 margins of exactly 0), and
+    # a tie makes greedy decoding pick by rounding noise rather than by the attention compared.
+    model.lm_head.float()
+    model.lm_head.register_forward_pre_hook(lambda module, args: (args[0].float(),))
+    return model
 
 
 class GreedyDecoder:

@@ -64,8 +64,9 @@ def emulated(case, q, k, v, blocks):
 def unsharded(case, q, k, v, blocks):
     if case.varlen:
         cu = lambda lens: torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), dtype=torch.int32, device=q.device)
-        return flash_attn_varlen_with_sparse_blocks(q, k, v, cu(case.seqlens_q), cu(case.seqlens_k),
-                                                    max(case.seqlens_q), max(case.seqlens_k), blocks, causal=case.causal)
+        return flash_attn_varlen_with_sparse_blocks(q, k, v, blocks, cu_seqlens_q=cu(case.seqlens_q),
+                                                    cu_seqlens_k=cu(case.seqlens_k), max_seqlen_q=max(case.seqlens_q),
+                                                    max_seqlen_k=max(case.seqlens_k), causal=case.causal)
     return flash_attn_with_sparse_block_table(q, k, v, blocks, causal=case.causal)
 
 

@@ -211,3 +211,19 @@ def test_violations_must_be_refused_and_the_kernel_cap_skips(configs):
     assert outcomes["fa2"][0] == "refused" and outcomes["fa4"][0] == "skipped"
     outcomes = run_config(FakeCase(bad, {"fa2": "refuse", "fa4": "ok", "auto": "refuse"}), ["fa2", "fa4"], KernelCap(1))
     assert outcomes["fa4"][0] == "wrong"
+
+
+def test_the_reach_of_a_poisoned_value_is_computed_for_every_form():
+    """Case.non_finite_reach runs on every form that draws NaN / Inf (spec_gather's visibility is
+    2-D) and holds the reference's own non-finite elements."""
+    forms = set()
+    for i in range(3000):
+        c = space.draw(2, i, [64, 128])
+        if (not c.poison or not c.result_defined or c.form in forms
+                or c.batch * c.heads * max(c.seqlens_q) * max(c.seqlens_k) > 200000):
+            continue
+        case = Case(c, 2, device="cpu")
+        exact, low = case.reference(torch.float64), case.reference(case.dtype)
+        assert compare(exact, exact, low, case.dtype, case.non_finite_reach()) == "", (i, c.form)
+        forms.add(c.form)
+    assert "spec_gather" in forms and len(forms) >= 4, forms

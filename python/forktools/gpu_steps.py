@@ -127,6 +127,22 @@ def bench(session) -> str:
     return _bench(session, "bench", "--shapes", session.options.bench_shapes)
 
 
+def bench_pristine_fa4(session) -> str:
+    """The bench step's shapes with flash-attn-4's own block-sparse call on the pristine release
+    (.carry/fa4pristine/flash_attn_4-*.whl laid in for the run, this build's laid back after)."""
+    wheels = sorted(session.root.glob(".carry/fa4pristine/flash_attn_4-*.whl"))
+    if not wheels:
+        session.worst_rc = 1
+        return "bench-pristine-fa4: no wheel in .carry/fa4pristine"
+    log = session.logs / "bench-pristine-fa4.log"
+    if session.lay_fa4_wheel(wheels[0]) == 0:
+        session.run([PY, "benchmarks/bench_sparse.py", "--pristine-fa4", "--shapes", session.options.bench_shapes,
+                     "--json", session.out / "bench-pristine-fa4.json", "--markdown", session.out / "bench-pristine-fa4.md"],
+                    output=log, timeout=600, env={"FLASH_ATTENTION_CUTE_DSL_CACHE_DIR": "/tmp/cutedsl-cache-pristine"})
+    session.lay_fa4_wheel(session.fa4_wheel)
+    return f"{_line_count(session, session.out / 'bench-pristine-fa4.md')} lines in bench-pristine-fa4.md"
+
+
 def fullbench(session) -> str:
     return _bench(session, "bench")
 
@@ -368,6 +384,8 @@ STEPS = {
     "ncu-dense": ("ncu counters of the sparse kernel, every block listed, beside upstream's dense one (--ncu-targets)", ncu_dense),
     "ncu-source": ("per-SASS-instruction counters and stalls of the sparse kernel, every block listed, B1 Sq1", ncu_source),
     "ncu-spec": ("the same for the union pass and the one-launch speculative call, B8 Sq16 1/16", ncu_spec),
+    "bench-pristine-fa4": ("the bench step's shapes: flash-attn-4's own block-sparse call, pristine release (.carry/fa4pristine)",
+                           bench_pristine_fa4),
     "fa4-prefill-check": ("benchmarks/fa4_prefill_check.py on this, carried variant and pristine flash-attn-4", fa4_prefill_check),
     "fuzz": ("tests/fuzz/run.py --seed --fuzz-seed --budget-s --fuzz-budget-s", fuzz),
     "upstream-fa2": ("upstream FA-2's tests on this wheel (tests/upstream/run_upstream.py)", upstream_fa2),

@@ -213,6 +213,7 @@ class Case:
         q, k, v, _, read = self.dense_problem()
         group = q.shape[2] // k.shape[2]
         bad = ((~torch.isfinite(k)).any(-1, keepdim=True) | ~torch.isfinite(v)).repeat_interleave(group, dim=2)
+        read = read.expand(q.shape[0], q.shape[2], q.shape[1], k.shape[1])  # spec_gather's is (Sq, Sk)
         out = torch.einsum("bhqk,bkhd->bqhd", read.float(), bad.float()) > 0
         return self._packed(out, out.any(-1).transpose(1, 2))
 
