@@ -230,3 +230,27 @@ def test_a_batched_fa4_plan_converts_its_lists_once_as_views(fake_gpu, monkeypat
     assert converted[0]["full_block_idx"].data_ptr() == blocks.full_idx.data_ptr()
     assert [q_i for q_i, _ in launched] == [q_i for q_i, _, _ in runs]
     assert all(arguments["block_sparse_tensors"] is converted[0] for _, arguments in launched)
+
+
+def test_the_engine_shaped_call_reaches_the_extension_with_its_pages_and_offsets(fake_gpu):
+    """Varlen queries (a prefill chunk, a decode row, an empty sequence) over a paged cache with
+    sparse lists and out=, one call: validated once, launched with page_table and cu_seqlens."""
+    from flash_attn_sparse.metadata import pack_varlen_lists
+    g = torch.Generator().manual_seed(3)
+    seqlens_q, seqlens_k, page = [70, 1, 0], [300, 200, 0], 64
+    q = torch.randn(sum(seqlens_q), H, D, generator=g).half()
+    k = torch.randn(15, page, HK, D, generator=g).half()
+    page_table = torch.randperm(15, generator=g).int().view(3, 5)  # permuted pages, 320 keys per row
+    cu = lambda lens: torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), dtype=torch.int32)
+    blocks = pack_varlen_lists([[[[2, 0]] for _ in range(HK)], [[[1]] for _ in range(HK)], [[[]] for _ in range(HK)]],
+                               None, 128, 128)
+    out = torch.empty_like(q)
+    for _ in range(2):
+        result, _ = fas.flash_attn_varlen_with_sparse_blocks(
+            q, k, torch.randn_like(k), blocks, cu_seqlens_q=cu(seqlens_q), cu_seqlens_k=cu(seqlens_k),
+            max_seqlen_q=max(seqlens_q), max_seqlen_k=max(seqlens_k), page_table=page_table, backend="fa2", out=out)
+        assert result is out
+    assert fake_gpu["validations"] == 1
+    name, args = fake_gpu["launches"][-1]
+    assert name == "direct" and args["page_table"] is page_table and args["cu_seqlens_k"] is not None
+    assert args["max_seqlen_k"] == 300 and args["k"].shape == (15, page, HK, D)

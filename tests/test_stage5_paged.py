@@ -240,3 +240,57 @@ def test_partials_over_paged_kv_equal_contiguous_bitwise():
     contiguous = fas.flash_attn_sparse_partials(q, k, v, groups, seqused_k=seqused_k)
     assert_bitwise_equal(paged[0], contiguous[0], "out_partials")
     assert_bitwise_equal(paged[1], contiguous[1], "lse_partials")
+
+
+@pytest.mark.parametrize("page_size,block_size", [(16, 128), (64, 64), (256, 128)])
+@pytest.mark.parametrize("num_splits", [1, 0], ids=["nosplit", "auto-splits"])
+def test_varlen_paged_sparse_with_out_equals_contiguous_varlen(page_size, block_size, num_splits):
+    """The engine-shaped call (vLLM: cu_seqlens_q, a page table and out= in one call; issue 27):
+    ragged queries mixing a prefill chunk, decode rows and an empty sequence, over permuted pages
+    (unused pages NaN), with per-(sequence, K/V head) lists: bitwise the contiguous varlen call,
+    and within tolerance of the fp64 oracle per sequence."""
+    from flash_attn_sparse.metadata import pack_varlen_lists
+    g = torch.Generator(device="cuda").manual_seed(27)
+    rng = random.Random(27)
+    seqlens_q, seqlens_k = [70, 1, 0, 16], [1531, 1000, 0, 777]
+    q_block = 128
+    full = []
+    for sq, sk in zip(seqlens_q, seqlens_k):
+        n_blocks, tiles = cdiv(sk, block_size), max(cdiv(sq, q_block), 1)
+        full.append([[rng.sample(range(n_blocks), max(n_blocks // 2, min(n_blocks, 1))) for _ in range(tiles)]
+                     for _ in range(HEADS_K)])
+    blocks = pack_varlen_lists(full, None, block_size, q_block, device="cuda")
+    q = torch.randn(sum(seqlens_q), HEADS, 128, device="cuda", generator=g).bfloat16()
+    k = torch.randn(sum(seqlens_k), HEADS_K, 128, device="cuda", generator=g).bfloat16()
+    v = torch.randn_like(k)
+    cu = lambda lens: torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), dtype=torch.int32, device="cuda")
+    max_pages = max(cdiv(sk, page_size) for sk in seqlens_k)
+    num_pages = sum(cdiv(sk, page_size) for sk in seqlens_k) + 3
+    perm = torch.randperm(num_pages, generator=g, device="cuda").tolist()
+    k_cache = torch.full((num_pages, page_size, HEADS_K, 128), float("nan"), dtype=k.dtype, device="cuda")
+    v_cache = torch.full_like(k_cache, float("nan"))
+    page_table = torch.full((len(seqlens_k), max_pages), -1, dtype=torch.int32, device="cuda")
+    start = 0
+    for b, sk in enumerate(seqlens_k):
+        for j in range(cdiv(sk, page_size)):
+            page, rows = perm.pop(), slice(start + j * page_size, start + min((j + 1) * page_size, sk))
+            page_table[b, j] = page
+            k_cache[page, :rows.stop - rows.start], v_cache[page, :rows.stop - rows.start] = k[rows], v[rows]
+        start += sk
+    common = dict(cu_seqlens_q=cu(seqlens_q), cu_seqlens_k=cu(seqlens_k), max_seqlen_q=max(seqlens_q),
+                  max_seqlen_k=max(seqlens_k), num_splits=num_splits, backend="fa2")
+    want, want_lse = fas.flash_attn_varlen_with_sparse_blocks(q, k, v, blocks, **common)
+    out = torch.full_like(q, float("nan"))
+    got, got_lse = fas.flash_attn_varlen_with_sparse_blocks(q, k_cache, v_cache, blocks, page_table=page_table, out=out,
+                                                            **common)
+    assert got is out
+    assert_bitwise_equal(got, want, "out")
+    assert_bitwise_equal(got_lse, want_lse, "lse")
+    q_start = k_start = 0
+    for b, (sq, sk) in enumerate(zip(seqlens_q, seqlens_k)):
+        if sq:
+            visible = visibility_from_lists(full[b], None, block_size, q_block, sq, sk, HEADS, False, device="cuda")
+            assert_close_to_reference(got[q_start:q_start + sq][None], got_lse[:, q_start:q_start + sq][None],
+                                      q[q_start:q_start + sq][None], k[k_start:k_start + sk][None],
+                                      v[k_start:k_start + sk][None], visible)
+        q_start, k_start = q_start + sq, k_start + sk

@@ -81,8 +81,8 @@ def paged_call(page_table=None, k=None, v=None, page_size=PAGE, blocks=None, blo
     return fas.flash_attn_with_sparse_block_table(q, k, v, blocks, block_size=block_size, page_table=page_table, **kwargs)
 
 
-def paged_varlen_call():
-    """Varlen and paged together: only reachable through the internal call object."""
+def paged_varlen_call(max_seqlen_k=700):
+    """Varlen queries over a paged cache (the engine-shaped call), through the call object."""
     from flash_attn_sparse.calls import SparseCall
     g = torch.Generator().manual_seed(1)
     q = torch.randn(135, H, D, generator=g).bfloat16()
@@ -90,7 +90,7 @@ def paged_varlen_call():
     blocks = pack_varlen_lists([[[[0, 1]] for _ in range(HK)], [[[2], [5]] for _ in range(HK)]], None, BS, 128)
     return SparseCall(q, k, torch.randn_like(k), blocks, causal=False, softmax_scale=None,
                  cu_seqlens_q=torch.tensor([0, 5, 135], dtype=torch.int32), cu_seqlens_k=torch.tensor([0, 300, 1000], dtype=torch.int32),
-                 max_seqlen_q=130, max_seqlen_k=700, page_table=torch.zeros(2, 16, dtype=torch.int32))
+                 max_seqlen_q=130, max_seqlen_k=max_seqlen_k, page_table=torch.zeros(2, 16, dtype=torch.int32))
 
 
 def interleaved_kv(page_size=PAGE):
@@ -157,7 +157,7 @@ BAD_CALLS = {
     "paged: page_table 1-D": (lambda: paged_call(page_table=torch.zeros(32, dtype=torch.int32)), "page_table"),
     "paged: page_table batch differs from q": (lambda: paged_call(page_table=torch.zeros(3, 16, dtype=torch.int32)), "page_table"),
     "paged: page_table last dim not contiguous": (lambda: paged_call(page_table=torch.zeros(16, 2, dtype=torch.int32).t()), "page_table"),
-    "paged: varlen with a page_table": (paged_varlen_call, "page_table"),
+    "paged varlen: max_seqlen_k past the page table": (lambda: paged_varlen_call(max_seqlen_k=16 * PAGE + 1), "max_seqlen_k"),
     "paged: page size not a multiple of 16": (lambda: paged_call(page_size=40, block_size=128), "k"),
     "paged: page and block sizes do not divide": (lambda: paged_call(page_size=48, block_size=32, blocks=table(0, 2)), "k"),
     "paged: v's page stride differs from k's": (lambda: paged_call(k=interleaved_kv()[0]), "v"),

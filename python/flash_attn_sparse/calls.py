@@ -24,8 +24,10 @@ def _check_qkv(q: Tensor, k: Tensor, v: Tensor, varlen: bool, paged: bool = Fals
             fail(name, f"must be a tensor, got {type(t).__name__}")
         if t.dtype not in (torch.float16, torch.bfloat16):
             fail(name, f"must be float16 or bfloat16, got {t.dtype}")
-        if t.dim() != (3 if varlen else 4):
-            layout = "(total, heads, head_dim)" if varlen else "(batch, seqlen, heads, head_dim)"
+        packed = varlen and not (paged and name != "q")  # a paged cache is 4-D in either layout
+        if t.dim() != (3 if packed else 4):
+            layout = ("(total, heads, head_dim)" if packed else "(num_pages, page_size, heads, head_dim)" if paged and name != "q"
+                      else "(batch, seqlen, heads, head_dim)")
             fail(name, f"must be {layout}, got shape {tuple(t.shape)}")
     if k.dtype != q.dtype or v.dtype != q.dtype:
         fail("k", f"q, k and v must have the same dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
@@ -170,8 +172,6 @@ class SparseCall:
         self.requested_backend = backend
         check_num_splits(num_splits)
         self.requested_splits = num_splits
-        if varlen and page_table is not None:
-            fail("page_table", "paged K/V is batched only; varlen calls cannot take a page_table")
         q, k, v = _check_qkv(q, k, v, varlen, paged=page_table is not None)
         if varlen:
             for name, t in (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k)):
@@ -198,7 +198,10 @@ class SparseCall:
         validate_blocks(blocks, batch_size=batch, num_heads=q.shape[-2], num_heads_k=k.shape[-2],
                         max_seqlen_q=max_seqlen_q, device=q.device, varlen=varlen)
         if page_table is not None:
-            max_seqlen_k = _check_page_table(page_table, q, k, v, blocks.block_size, batch)
+            capacity = _check_page_table(page_table, q, k, v, blocks.block_size, batch)
+            if varlen and max_seqlen_k > capacity:
+                fail("max_seqlen_k", f"must be at most max_pages * page_size = {capacity} with a page_table, got {max_seqlen_k}")
+            max_seqlen_k = max_seqlen_k if varlen else capacity
         if exhaustive_validation_requested(validate):
             if varlen:
                 seqlens_q = (cu_seqlens_q[1:] - cu_seqlens_q[:-1]).tolist()

@@ -203,15 +203,19 @@ def flash_attn_varlen_with_sparse_blocks(q: Tensor, k: Tensor, v: Tensor, blocks
                                          cu_seqlens_k: Tensor, max_seqlen_q: int, max_seqlen_k: int,
                                          softmax_scale: Optional[float] = None, causal: bool = False,
                                          num_splits: int = 0, backend: str = "auto", validate: Optional[str] = None,
-                                         seqused_k: Optional[Tensor] = None,
+                                         seqused_k: Optional[Tensor] = None, page_table: Optional[Tensor] = None,
                                          out: Optional[Tensor] = None) -> Tuple[Tensor, Tensor]:
     """Varlen form: q (total_q, heads, head_dim), k, v (total_k, heads_k, head_dim) packed by
     cu_seqlens; blocks in the varlen layout. Returns out like q and lse (heads, total_q).
+    With page_table (batch, max_pages) k and v are paged caches (num_pages, page_size, heads_k,
+    head_dim) as in flash_attn_with_sparse_block_table, and cu_seqlens_k counts each sequence's
+    keys (its logical positions 0..n-1); max_seqlen_k <= max_pages * page_size (the engine-shaped
+    call: ragged queries, a paged cache, sparse lists and out= in one call; FA-2 backend).
     backend and out as in flash_attn_with_sparse_block_table."""
     return run_cached(q, k, v, blocks, out, validate, causal=causal, softmax_scale=softmax_scale,
                       num_splits=num_splits, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
                       max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, seqused_k=seqused_k,
-                      table_name="blocks", backend=backend)
+                      page_table=page_table, table_name="blocks", backend=backend)
 
 
 def _call_to_choose_for(q, k, v, blocks: BlockTable, block_size: int, *, causal: bool = False,

@@ -44,6 +44,7 @@ class Session:
     last_rc: int = 0
     fa4_wheel: Path | None = None
     mutant_wheel: Path | None = None
+    return_wheels: bool = True  # tar the wheels into $OUT (prepare_wheel: only those built here)
 
     @property
     def logs(self) -> Path:
@@ -179,6 +180,9 @@ def prepare_wheel(session: Session) -> Path | None:
         session.note("build: FAILED (see build.log, build-full.log)")
         return None
     took = BUILD_TIME.findall(session.read(build_log))
+    # The device tool returns at most 8 files from $OUT: wheels go back only when built here (a
+    # carried wheel is already on the other side), leaving room for the logs and results.
+    session.return_wheels = bool(took) or session.dry_run
     size = 0 if session.dry_run else wheel.stat().st_size >> 20
     session.note(f"build: {'in ' + took[-1] + ' s' if took else 'reused'} (wall {time.monotonic() - start:.0f} s),"
                  f" {wheel.name}, {size} MB")
@@ -205,8 +209,9 @@ def install(session: Session, wheel: Path) -> bool:
     if fa3_wheel:  # built here, or carried back and laid into dist/ (with --no-fa3 too)
         rc = session.pip_install(fa3_wheel, site)
         session.note(f"flash_attn_3: {fa3_wheel.name}" if rc == 0 else "flash_attn_3 install: FAILED")
-        session.act(f"tar {fa3_wheel.name} into dist-fa3-wheel.tar", gpu_steps.tar_one, fa3_wheel,
-                    session.out / "dist-fa3-wheel.tar")
+        if session.return_wheels:
+            session.act(f"tar {fa3_wheel.name} into dist-fa3-wheel.tar", gpu_steps.tar_one, fa3_wheel,
+                        session.out / "dist-fa3-wheel.tar")
     if session.cutedsl_site:
         rc = session.lay_fa4_wheel(session.fa4_wheel)
         wheel_name = session.fa4_wheel.name if session.fa4_wheel else "none in dist/, the runtime's own"
@@ -217,7 +222,8 @@ def install(session: Session, wheel: Path) -> bool:
     if session.cutedsl_site:
         session.run([sys.executable, "-m", "pip", "list"], output=session.logs / "cutedsl-packages.txt")
         session.run([sys.executable, "-c", FA4_IMPORT_CHECK], output=session.logs / "cutedsl-import.log")
-    session.act(f"tar {wheel.name} into dist-wheel.tar", gpu_steps.tar_one, wheel, session.out / "dist-wheel.tar")
+    if session.return_wheels:
+        session.act(f"tar {wheel.name} into dist-wheel.tar", gpu_steps.tar_one, wheel, session.out / "dist-wheel.tar")
     return True
 
 

@@ -141,13 +141,15 @@ std::vector<at::Tensor> mha_fwd_sparse(
     TORCH_CHECK(varlen == cu_total_m_blocks_.has_value() && varlen == cu_block_idx_offsets_.has_value(),
                 "varlen inputs need the varlen list layout (cu_total_m_blocks, cu_block_idx_offsets) and vice versa");
     const bool paged = page_table_.has_value();
-    TORCH_CHECK(!(paged && varlen), "page_table: paged K/V is batched only, not varlen");
     const int batch_size = varlen ? cu_seqlens_q_->numel() - 1 : q.size(0);
     const int seqlen_q = varlen ? max_seqlen_q : q.size(1);
     const int page_size = paged ? k.size(1) : 0;
     const int64_t paged_seqlen_k = paged ? page_table_->size(-1) * int64_t(page_size) : 0;
     TORCH_CHECK(paged_seqlen_k <= std::numeric_limits<int>::max(), "page_table: max_pages * page_size must fit in int32");
-    const int seqlen_k = varlen ? max_seqlen_k : (paged ? int(paged_seqlen_k) : k.size(1));
+    TORCH_CHECK(!(varlen && paged) || max_seqlen_k <= paged_seqlen_k, "max_seqlen_k must be at most max_pages * page_size with a page_table");
+    // Varlen + paged: params.seqlen_k is the page table's capacity, which the kernel clamps every
+    // sequence's key count to (cu_seqlens_k is not read on the host, so it is not trusted).
+    const int seqlen_k = paged ? int(paged_seqlen_k) : (varlen ? max_seqlen_k : k.size(1));
     const int num_heads = q.size(-2);
     const int head_size = q.size(-1);
     const int num_heads_k = k.size(-2);
@@ -158,13 +160,16 @@ std::vector<at::Tensor> mha_fwd_sparse(
     TORCH_CHECK(num_heads % num_heads_k == 0, "Number of heads in key/value must divide number of heads in query");
     if (varlen) {
         CHECK_SHAPE(q, total_q, num_heads, head_size);
-        TORCH_CHECK(k.dim() == 3 && v.sizes() == k.sizes() && k.size(1) == num_heads_k && k.size(2) == head_size, "k and v must be total_k x num_heads_k x head_size");
+        TORCH_CHECK(paged || (k.dim() == 3 && v.sizes() == k.sizes() && k.size(1) == num_heads_k && k.size(2) == head_size),
+                    "k and v must be total_k x num_heads_k x head_size");
         for (const auto &t : {*cu_seqlens_q_, *cu_seqlens_k_, *cu_total_m_blocks_, *cu_block_idx_offsets_}) {
             check_int32_table(t, "cu_seqlens / varlen list offsets", q);
             TORCH_CHECK(t.numel() == batch_size + 1, "cu_seqlens and varlen list offsets must have batch_size + 1 entries");
         }
-    } else if (paged) {
+    } else {
         TORCH_CHECK(q.dim() == 4, "q must be batch x seqlen_q x num_heads x head_size");
+    }
+    if (paged) {
         const at::Tensor &page_table = *page_table_;
         TORCH_CHECK(page_table.dtype() == torch::kInt32, "page_table must have dtype int32");
         TORCH_CHECK(page_table.device() == q.device(), "page_table must be on the same device as q");
@@ -181,8 +186,7 @@ std::vector<at::Tensor> mha_fwd_sparse(
                     "paged k and v: the page stride must be the same multiple of the row stride for both");
         TORCH_CHECK((k.size(0) - 1) * rows_per_page + page_size <= std::numeric_limits<int>::max(),
                     "paged k and v: the cache must span fewer than 2^31 rows");
-    } else {
-        TORCH_CHECK(q.dim() == 4, "q must be batch x seqlen_q x num_heads x head_size");
+    } else if (!varlen) {
         CHECK_SHAPE(k, batch_size, seqlen_k, num_heads_k, head_size);
         CHECK_SHAPE(v, batch_size, seqlen_k, num_heads_k, head_size);
     }
@@ -258,6 +262,9 @@ std::vector<at::Tensor> mha_fwd_sparse(
                      /*window_size_left=*/-1, /*window_size_right=*/-1, /*softcap=*/0.f,
                      /*seqlenq_ngroups_swapped=*/false, /*unpadded_lse=*/varlen);
     if (paged) {
+        // The page stride (set_params_fprop leaves the batch strides unset for varlen calls).
+        params.k_batch_stride = k.stride(0);
+        params.v_batch_stride = v.stride(0);
         params.block_table = page_table_->data_ptr<int>();
         params.block_table_batch_stride = page_table_->stride(0);
         params.page_block_size = page_size;
