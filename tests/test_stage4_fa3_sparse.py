@@ -400,3 +400,33 @@ def test_backend_fa3_through_the_public_api():
     with pytest.raises(SparseInputError, match="seqused_k"):
         fas.flash_attn_with_sparse_block_table(q, k, v, blocks, backend="fa3",
                                                seqused_k=torch.full((2,), 8192, dtype=torch.int32, device="cuda"))
+
+
+def test_fa3_under_torch_compile_fullgraph_and_in_a_plan_replayed_as_a_cuda_graph():
+    """torch.compile(fullgraph=True) traces backend="fa3" to the op (its Meta implementation), and
+    a SparsePlan on fa3 replays in a CUDA graph with lists updated in place; both equal eager."""
+    import flash_attn_sparse as fas
+    from flash_attn_sparse import SparseBlocks
+    g = torch.Generator(device="cuda").manual_seed(12)
+    q, k, v = random_qkv(2, 16, 8192, 16, 4, 128, torch.bfloat16, generator=g)
+    blocks = SparseBlocks.from_lists([[[[40, 3, 17, 63]], [[9]], [[]], [[62, 0, 31]]] for _ in range(2)], device="cuda")
+
+    def attend(q, k, v, full_cnt, full_idx):
+        return fas.flash_attn_with_sparse_block_table(q, k, v, SparseBlocks(full_cnt, full_idx), backend="fa3")
+
+    eager = attend(q, k, v, blocks.full_cnt, blocks.full_idx)
+    compiled = torch.compile(attend, fullgraph=True)(q, k, v, blocks.full_cnt, blocks.full_idx)
+    assert torch.equal(eager[0], compiled[0]) and torch.equal(eager[1], compiled[1])
+
+    plan = fas.plan(q, k, v, blocks, backend="fa3")
+    assert plan.backend == "fa3"
+    plan.run(q, k, v)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        graphed_out, graphed_lse = plan.run(q, k, v)
+    blocks.full_idx[:, :, :, :2].copy_(blocks.full_idx[:, :, :, :2].flip(-1))  # the next replay reads them
+    blocks.full_idx[0, 1, 0, 0] = 10
+    graph.replay()
+    want = fas.flash_attn_with_sparse_block_table(q, k, v, blocks, backend="fa3")
+    assert torch.equal(graphed_out, want[0]) and torch.equal(graphed_lse, want[1])

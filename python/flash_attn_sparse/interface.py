@@ -124,10 +124,9 @@ def facts(t) -> tuple:
 
 
 def blocks_facts(b: SparseBlocks) -> tuple:
-    return (b.block_size, b.q_block_size) + tuple(facts(getattr(b, name)) for name in BLOCKS_TENSORS)
-
-
-BLOCKS_TENSORS = ("full_cnt", "full_idx", "mask_cnt", "mask_idx", "cu_total_m_blocks", "cu_block_idx_offsets")
+    """The lists' facts, written out (no generator): this is on every cached call's path."""
+    return (b.block_size, b.q_block_size, facts(b.full_cnt), facts(b.full_idx), facts(b.mask_cnt), facts(b.mask_idx),
+            facts(b.cu_total_m_blocks), facts(b.cu_block_idx_offsets))
 CACHE_SIZE = 64
 _decisions: "OrderedDict[tuple, Decision]" = OrderedDict()
 
@@ -138,16 +137,18 @@ def run_cached(q, k, v, blocks: SparseBlocks, out: Optional[Tensor], validate: O
     and the options (never their data): a repeated shape skips validation, routing, the split
     choice and the argument building, and launches through the backend's launcher. Calls that
     ask for exhaustive validation, are traced, or pass odd inputs are not cached."""
-    tensors = {name: options.pop(name, None) for name in ("cu_seqlens_q", "cu_seqlens_k", "seqused_k", "page_table")}
+    tensors = dict(cu_seqlens_q=options.pop("cu_seqlens_q", None), cu_seqlens_k=options.pop("cu_seqlens_k", None),
+                   seqused_k=options.pop("seqused_k", None), page_table=options.pop("page_table", None))
+    cu_q, cu_k, seqused_k, page_table = tensors.values()
     cacheable = (not exhaustive_validation_requested(validate) and not torch.compiler.is_compiling()
-                 and all(isinstance(t, Tensor) for t in (q, k, v)) and isinstance(blocks, SparseBlocks)
-                 and all(t is None or isinstance(t, Tensor) for t in tensors.values()))
-    if not cacheable:
+                 and isinstance(q, Tensor) and isinstance(k, Tensor) and isinstance(v, Tensor)
+                 and isinstance(blocks, SparseBlocks))
+    key = cacheable and (facts(q), facts(k), facts(v), facts(out), blocks_facts(blocks), tuple(options.items()),
+                         facts(cu_q), facts(cu_k), facts(seqused_k), facts(page_table))
+    if not cacheable or any(len(f) == 1 for f in key[-4:] if f is not None):  # a non-tensor among them
         call = SparseCall(q, k, v, blocks, validate=validate, **tensors, **options)
         check_out(out, call.q)
         return run(call, out)
-    key = (facts(q), facts(k), facts(v), facts(out), blocks_facts(blocks), tuple(options.items()),
-           tuple(facts(t) for t in tensors.values()))
     decision = _decisions.get(key)
     if decision is None:
         call = SparseCall(q, k, v, blocks, **tensors, **options)

@@ -9,6 +9,7 @@ op's error; missing_build() says why the op cannot be called at all.
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Optional, Tuple
 
@@ -22,6 +23,8 @@ TILE_M = 128  # query rows of a tile (tile_size_fwd_sm90_sparse), shared by the 
 HEAD_DIMS = (64, 128)  # the instantiated head dims (generate_kernels_sparse.py)
 
 
+@torch.compiler.assume_constant_result  # an import is not traceable; the answer is fixed per process
+@functools.lru_cache(maxsize=None)
 def missing_build() -> Optional[str]:
     """None if torch.ops.flash_attn_3_sparse.fwd is callable, else why not."""
     try:
@@ -31,6 +34,12 @@ def missing_build() -> Optional[str]:
     if not hasattr(torch.ops.flash_attn_3_sparse, "fwd"):
         return "this flash_attn_3 build has no flash_attn_3_sparse.fwd (built with FLASH_ATTENTION_DISABLE_SPARSE?)"
     return None
+
+
+@torch.compiler.assume_constant_result
+@functools.lru_cache(maxsize=None)
+def _capability(device_index: int) -> Tuple[int, int]:
+    return torch.cuda.get_device_capability(device_index)
 
 
 def _packs_query_heads(group: int, list_heads: int, num_heads: int, q_block_size: int) -> bool:
@@ -43,7 +52,7 @@ def _packs_query_heads(group: int, list_heads: int, num_heads: int, q_block_size
 def refusal(q: Tensor, k: Tensor, blocks: SparseBlocks, *, varlen: bool, paged: bool = False,
             max_seqlen_q: Optional[int] = None) -> Optional[str]:
     """None if the FA-3 sparse kernel takes this call, else the first rule it breaks."""
-    if not q.is_cuda or torch.cuda.get_device_capability(q.device) != (9, 0):
+    if not q.is_cuda or _capability(q.device.index if q.device.index is not None else torch.cuda.current_device()) != (9, 0):
         return "the FA-3 sparse kernel runs on sm90 (H100/H200) only"
     if q.dtype not in (torch.float16, torch.bfloat16) or k.dtype != q.dtype:
         return f"the FA-3 sparse kernel takes fp16 or bf16 q and k of one dtype, got {q.dtype} and {k.dtype}"

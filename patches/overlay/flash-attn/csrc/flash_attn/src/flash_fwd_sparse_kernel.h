@@ -540,8 +540,8 @@ inline __device__ void compute_attn_1rowblock_sparse(const Params &params, const
     // seqused_k beyond the rows K/V hold (batch, varlen or paged extent) is clamped, so it cannot
     // lead the kernel past them; paged, also to the page table's capacity (params.seqlen_k), which
     // a varlen call's cu_seqlens_k could name more keys than.
-    const int seqlen_k = std::min(std::min(binfo.actual_seqlen_k, binfo.seqlen_k_cache),
-                                  Paged ? params.seqlen_k : binfo.seqlen_k_cache);
+    int seqlen_k = std::min(binfo.actual_seqlen_k, binfo.seqlen_k_cache);
+    if constexpr (Paged) { seqlen_k = std::min(seqlen_k, params.seqlen_k); }
     const SparseTileList list = get_sparse_tile_list<kBlockM>(params, bidb, rows, seqlen_k);
     // This split's share of the list, in kernel tiles of kBlockN list rows.
     const int n_tiles = cute::ceil_div(list.total_cnt << list.block_size_log2, kBlockN);
