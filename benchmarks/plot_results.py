@@ -3,8 +3,9 @@
     python benchmarks/plot_results.py benchmarks/results/<run>.json   # writes <run>.png beside it
 
 Each shape gets one panel per group of methods (this against its peers, against the ceilings,
-the speculative forms), so no panel holds more than eight series; a method keeps its colour in
-every panel, and one legend sits below the panels, off the data.
+the speculative forms, the backends and plans, dense kernels over the listed keys), so no panel
+holds more than eight series; a method keeps its colour and marker in every panel, and one
+legend sits below the panels, off the data.
 """
 
 import json
@@ -16,7 +17,11 @@ PANELS = {
     "vs ceilings": ["auto", "fa4_direct", "fa4_direct tile128", "copy_same_bytes", "read_listed_blocks",
                     "read_listed_walk2", "read_listed_walk4"],
     "speculative": ["union_one_pass", "speculative_two_pass", "speculative_two_pass fa4", "speculative_zero_copy"],
+    "backends and plans": ["auto", "fa3_sparse", "plan_run auto", "plan_run fa2", "plan_run fa3"],
+    "dense over the listed keys": ["auto", "fa3_sparse", "fa3_dense_listed", "fa2_dense_listed", "cudnn_listed",
+                                   "fa4_pristine_blocksparse"],
 }
+MARKERS = "osD^vPX"  # a colour that comes round again comes with another marker
 MAX_SERIES = 8
 COLUMNS = 3
 
@@ -43,6 +48,7 @@ def plot(json_path: Path) -> Path:
     palette += plt.get_cmap("Dark2").colors
     others = [m for m in methods if m != "auto"]
     colour = {method: palette[i % len(palette)] for i, method in enumerate(others)} | {"auto": "black"}
+    marker = {method: MARKERS[i // len(palette) % len(MARKERS)] for i, method in enumerate(others)} | {"auto": "o"}
     panels = []
     for shape in dict.fromkeys(r["shape"] for r in rows):
         present = [m for m in methods if any(r["shape"] == shape and r["method"] == m for r in rows)]
@@ -54,7 +60,7 @@ def plot(json_path: Path) -> Path:
     for ax, (shape, title, chosen) in zip(axes.flat, panels):
         for method in chosen:
             points = sorted((r["density"], r["ms"]) for r in rows if r["shape"] == shape and r["method"] == method)
-            (line,) = ax.plot([p[0] for p in points], [p[1] for p in points], marker="o", color=colour[method],
+            (line,) = ax.plot([p[0] for p in points], [p[1] for p in points], marker=marker[method], color=colour[method],
                               label=method, linewidth=2.2 if method == "auto" else 1.2,
                               zorder=3 if method == "auto" else 2)
             handles.setdefault(method, line)
