@@ -11,6 +11,8 @@ import flash_attn_sparse as fas
 from flash_attn_sparse import SparseBlocks, SparseInputError, calls, interface, ops
 from flash_attn_sparse.backends import fa2
 
+PLANNED_FORWARD = ops.planned_forward  # the real one, before fake_gpu replaces it
+
 B, SQ, SK, H, HK, D = 2, 1, 1024, 4, 2, 64
 
 
@@ -48,6 +50,7 @@ def fake_gpu(monkeypatch):
     monkeypatch.setattr(ops, "sparse_fwd", fake_op("fwd"))
     monkeypatch.setattr(ops, "sparse_fwd_out", fake_op("fwd_out"))
     monkeypatch.setattr(ops, "launch_direct", lambda args, out: fake_op("direct")(**args, out=out))
+    monkeypatch.setattr(ops, "planned_forward", lambda *args: None)  # a build without SparseForward
     monkeypatch.setattr(interface, "_decisions", type(interface._decisions)())
     return record
 
@@ -254,3 +257,30 @@ def test_the_engine_shaped_call_reaches_the_extension_with_its_pages_and_offsets
     name, args = fake_gpu["launches"][-1]
     assert name == "direct" and args["page_table"] is page_table and args["cu_seqlens_k"] is not None
     assert args["max_seqlen_k"] == 300 and args["k"].shape == (15, page, HK, D)
+
+
+def test_a_fa2_plan_runs_the_extensions_planned_forward(fake_gpu, monkeypatch):
+    """With the extension's SparseForward, a plan hands it every argument once by name and each
+    run passes only q, k, v and out; an out of other strides takes the direct launch."""
+    made, runs = [], []
+
+    class FakeSparseForward:
+        def __init__(self, **kwargs):
+            made.append(kwargs)
+
+        def run(self, q, k, v, out):
+            runs.append((q, k, v, out))
+            return torch.zeros(q.shape[0], q.shape[2], q.shape[1])
+
+    monkeypatch.setattr(ops, "planned_forward", PLANNED_FORWARD)
+    monkeypatch.setattr(ops, "_cuda_module", lambda: type("Extension", (), {"SparseForward": FakeSparseForward}))
+    q, k, v = qkv()
+    plan = fas.SparsePlan(q, k, v, torch.tensor([0, 3], dtype=torch.int32), block_size=128, backend="fa2")
+    (args,) = made
+    assert args["q"] is q and args["out"] is plan.out and "k_mask_source" not in args and args["num_splits"] >= 1
+    q2, k2, v2 = qkv()
+    out, _ = plan.run(q2, k2, v2)
+    assert runs[-1] == (q2, k2, v2, plan.out) and out is plan.out
+    strided = torch.empty(B, H, SQ, D, dtype=q.dtype).transpose(1, 2)
+    plan.run(q2, k2, v2, out=strided)
+    assert len(runs) == 1 and fake_gpu["launches"][-1][0] == "direct"

@@ -70,6 +70,16 @@ def launch_direct(extension_args: dict, out: Tensor) -> Tensor:
     return _cuda_module().sparse_fwd(**extension_args, out=out, out_partial=None, lse_partial=None, partial_offset=0)[1]
 
 
+def planned_forward(extension_args: dict, q: Tensor, k: Tensor, v: Tensor, out: Tensor):
+    """The extension's SparseForward over these arguments (checked once there; run(q, k, v, out)
+    launches), or None for a call it does not plan (a second K/V source) or a build without it."""
+    planner = getattr(_cuda_module(), "SparseForward", None)
+    if planner is None or extension_args["k_mask_source"] is not None:
+        return None
+    planned = {name: value for name, value in extension_args.items() if name not in ("k_mask_source", "v_mask_source")}
+    return planner(**dict(planned, q=q, k=k, v=v, out=out))
+
+
 def extension_args(op_args: dict) -> dict:
     """The extension's keyword arguments of one forward, but its out and partial buffers."""
     return dict({name: op_args[name] for name in EXTENSION_ARGS}, is_causal=op_args["causal"])

@@ -26,9 +26,10 @@ class SparsePlan:
     SparseInputError); out defaults to the plan's own output buffer, which the next run
     overwrites. The lists, seqused_k, page_table and cu_seqlens are the plan's (the caller's
     tensors): update them in place between runs, within the shapes planned (list capacity,
-    pages), and the next run sees them. On the FA-2 backend run launches the extension directly
-    (no custom-op dispatch, no allocation but lse's, no host sync), so it can be captured in a
-    CUDA graph; on FA-3 it calls the op's overload with its arguments bound (backends/fa3.launcher).
+    pages), and the next run sees them. On the FA-2 backend the extension's SparseForward holds
+    the checked parameters and the LSE and split buffers, and run only swaps in q, k, v and out
+    and launches (no argument parsing, no allocation, no host sync; capturable in a CUDA graph);
+    its lse is the plan's buffer, overwritten by the next run, like the default out; on FA-3 it calls the op's overload with its arguments bound (backends/fa3.launcher).
     On the FA-4 backend a batched plan converts the lists to flash-attn-4's
     block-sparse tensors (views) once and run calls flash-attn-4's forward (its own Python
     dispatch and compile-cache lookup remain, and it allocates its output, copied into out); a
@@ -59,9 +60,10 @@ class SparsePlan:
         self.out = torch.empty_like(q)
         self._out_facts = facts(self.out)
         # The extension's arguments, the lists included, bound once: run adds q, k, v.
-        self._extension_args = self._fa4_entry = self._launch = None
+        self._extension_args = self._fa4_entry = self._launch = self._planned = None
         if self.backend == "fa2":
             self._extension_args = dict(ops.extension_args(fa2.op_args(call, self.num_splits)), q=None, k=None, v=None)
+            self._planned = ops.planned_forward(self._extension_args, call.q, call.k, call.v, self.out)
         elif self.backend == "fa4":
             if not call.varlen:  # flash-attn-4's block-sparse tensors: views of the lists, converted once
                 self._fa4_entry = fa4.call_entry(call, self.num_splits)
@@ -78,6 +80,10 @@ class SparsePlan:
             out = self.out
         elif facts(out) != self._out_facts:
             check_out(out, q)  # names what differs; an out of other strides but a contiguous last dim runs
+            if self._extension_args is not None:  # the planned forward holds the planned out's strides
+                return out, ops.launch_direct(dict(self._extension_args, q=q, k=k, v=v), out)
+        if self._planned is not None:
+            return out, self._planned.run(q, k, v, out)
         if self._launch is not None:
             return self._launch(q, k, v, self.blocks, out, **self._launch_tensors)
         if self._fa4_entry is not None:

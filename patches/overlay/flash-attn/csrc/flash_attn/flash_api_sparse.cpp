@@ -112,7 +112,10 @@ void run_combine(Flash_fwd_params &params, cudaStream_t stream) {
 
 }  // namespace
 
-std::vector<at::Tensor> mha_fwd_sparse(
+// Checks every argument, fills the parameters and allocates out (when not given), LSE and the
+// split buffers; launch_sparse runs it. Shared by mha_fwd_sparse (one call) and SparseForward
+// (made once, run many times).
+static SparseLaunch prepare_sparse(
     const at::Tensor &q, const at::Tensor &k, const at::Tensor &v,
     std::optional<at::Tensor> out_,
     const at::Tensor &full_cnt, const at::Tensor &full_idx,
@@ -357,15 +360,93 @@ std::vector<at::Tensor> mha_fwd_sparse(
         params.softmax_lseaccum_ptr = lse_accum.data_ptr();
     }
 
-    if (q.numel() == 0) { return partial ? std::vector<at::Tensor>{out_accum, lse_accum} : std::vector<at::Tensor>{out, softmax_lse}; }
-    auto stream = at::cuda::getCurrentCUDAStream().stream();
-    const bool split = out_accum.defined() || cluster_merge;
+    SparseLaunch launch;
+    launch.split = out_accum.defined() || cluster_merge;
     // 128-row tiles suit long queries; 64-row tiles waste less on short ones, and split.
-    const bool wide = !split && !pack_gqa && seqlen_q > kSparseNarrowBlockM && q_block_size % kSparseWideBlockM == 0;
-    run_sparse(params, stream, wide, split);
-    if (partial) { return {out_accum, lse_accum}; }
-    if (out_accum.defined()) { run_combine(params, stream); }
-    return {out, softmax_lse};
+    launch.wide = !launch.split && !pack_gqa && seqlen_q > kSparseNarrowBlockM && q_block_size % kSparseWideBlockM == 0;
+    launch.partial = partial;
+    launch.empty = q.numel() == 0;
+    launch.params = params;
+    launch.out = out;
+    launch.softmax_lse = softmax_lse;
+    launch.out_accum = out_accum;
+    launch.lse_accum = lse_accum;
+    return launch;
+}
+
+static void launch_sparse(SparseLaunch &launch) {
+    if (launch.empty) { return; }
+    auto stream = at::cuda::getCurrentCUDAStream().stream();
+    run_sparse(launch.params, stream, launch.wide, launch.split);
+    if (!launch.partial && launch.out_accum.defined()) { run_combine(launch.params, stream); }
+}
+
+std::vector<at::Tensor> mha_fwd_sparse(
+    const at::Tensor &q, const at::Tensor &k, const at::Tensor &v,
+    std::optional<at::Tensor> out_,
+    const at::Tensor &full_cnt, const at::Tensor &full_idx,
+    std::optional<at::Tensor> mask_cnt_, std::optional<at::Tensor> mask_idx_,
+    std::optional<at::Tensor> cu_seqlens_q_, std::optional<at::Tensor> cu_seqlens_k_,
+    std::optional<at::Tensor> seqused_k_, std::optional<at::Tensor> page_table_,
+    std::optional<at::Tensor> cu_total_m_blocks_, std::optional<at::Tensor> cu_block_idx_offsets_,
+    int max_seqlen_q, int max_seqlen_k,
+    int block_size, int q_block_size,
+    double softmax_scale, bool is_causal, int num_splits, bool pack_gqa,
+    std::optional<at::Tensor> out_partial_, std::optional<at::Tensor> lse_partial_, int partial_offset,
+    std::optional<at::Tensor> k_mask_source_, std::optional<at::Tensor> v_mask_source_) {
+    at::cuda::CUDAGuard device_guard{q.device()};
+    SparseLaunch launch = prepare_sparse(q, k, v, out_, full_cnt, full_idx, mask_cnt_, mask_idx_, cu_seqlens_q_, cu_seqlens_k_,
+                                         seqused_k_, page_table_, cu_total_m_blocks_, cu_block_idx_offsets_, max_seqlen_q,
+                                         max_seqlen_k, block_size, q_block_size, softmax_scale, is_causal, num_splits, pack_gqa,
+                                         out_partial_, lse_partial_, partial_offset, k_mask_source_, v_mask_source_);
+    launch_sparse(launch);
+    if (launch.partial) { return {launch.out_accum, launch.lse_accum}; }
+    return {launch.out, launch.softmax_lse};
+}
+
+SparseForward::SparseForward(
+    const at::Tensor &q, const at::Tensor &k, const at::Tensor &v, at::Tensor out,
+    const at::Tensor &full_cnt, const at::Tensor &full_idx,
+    std::optional<at::Tensor> mask_cnt, std::optional<at::Tensor> mask_idx,
+    std::optional<at::Tensor> cu_seqlens_q, std::optional<at::Tensor> cu_seqlens_k,
+    std::optional<at::Tensor> seqused_k, std::optional<at::Tensor> page_table,
+    std::optional<at::Tensor> cu_total_m_blocks, std::optional<at::Tensor> cu_block_idx_offsets,
+    int max_seqlen_q, int max_seqlen_k, int block_size, int q_block_size,
+    double softmax_scale, bool is_causal, int num_splits, bool pack_gqa)
+    : device_(q.device()), q_sizes_(q.sizes().vec()), q_strides_(q.strides().vec()), k_sizes_(k.sizes().vec()),
+      k_strides_(k.strides().vec()), v_strides_(v.strides().vec()), out_strides_(out.strides().vec()), dtype_(q.scalar_type()) {
+    at::cuda::CUDAGuard device_guard{q.device()};
+    // The lists, offsets and page table are the caller's tensors, read at every run; no second
+    // K/V source (its element shift depends on k's address) and no partials.
+    launch_ = prepare_sparse(q, k, v, out, full_cnt, full_idx, mask_cnt, mask_idx, cu_seqlens_q, cu_seqlens_k, seqused_k,
+                             page_table, cu_total_m_blocks, cu_block_idx_offsets, max_seqlen_q, max_seqlen_k, block_size,
+                             q_block_size, softmax_scale, is_causal, num_splits, pack_gqa, std::nullopt, std::nullopt, 0,
+                             std::nullopt, std::nullopt);
+    lists_ = {full_cnt, full_idx};
+    for (const auto &t : {mask_cnt, mask_idx, cu_seqlens_q, cu_seqlens_k, seqused_k, page_table, cu_total_m_blocks, cu_block_idx_offsets}) {
+        if (t.has_value()) { lists_.push_back(*t); }
+    }
+}
+
+at::Tensor SparseForward::run(const at::Tensor &q, const at::Tensor &k, const at::Tensor &v, at::Tensor out) {
+    // The parameters hold the planned strides: the tensors must be laid out as planned.
+    TORCH_CHECK(q.scalar_type() == dtype_ && k.scalar_type() == dtype_ && v.scalar_type() == dtype_ && out.scalar_type() == dtype_,
+                "SparseForward.run: q, k, v and out must have the planned dtype");
+    TORCH_CHECK(q.device() == device_ && k.device() == device_ && v.device() == device_ && out.device() == device_,
+                "SparseForward.run: q, k, v and out must be on the planned device");
+    TORCH_CHECK(q.sizes() == at::IntArrayRef(q_sizes_) && q.strides() == at::IntArrayRef(q_strides_)
+                && k.sizes() == at::IntArrayRef(k_sizes_) && v.sizes() == at::IntArrayRef(k_sizes_)
+                && k.strides() == at::IntArrayRef(k_strides_) && v.strides() == at::IntArrayRef(v_strides_)
+                && out.sizes() == at::IntArrayRef(q_sizes_) && out.strides() == at::IntArrayRef(out_strides_),
+                "SparseForward.run: q, k, v and out must have the planned shapes and strides");
+    at::cuda::CUDAGuard device_guard{device_};
+    launch_.params.q_ptr = q.data_ptr();
+    launch_.params.k_ptr = k.data_ptr();
+    launch_.params.v_ptr = v.data_ptr();
+    launch_.params.o_ptr = out.data_ptr();
+    launch_.out = out;
+    launch_sparse(launch_);
+    return launch_.softmax_lse;
 }
 
 void mha_combine(const at::Tensor &out_partial, const at::Tensor &lse_partial,

@@ -12,6 +12,7 @@
 #include <ATen/ATen.h>
 
 #include "namespace_config.h"
+#include "flash.h"
 
 namespace FLASH_NAMESPACE {
 
@@ -39,6 +40,39 @@ std::vector<at::Tensor> mha_fwd_sparse(
     double softmax_scale, bool is_causal, int num_splits, bool pack_gqa,
     std::optional<at::Tensor> out_partial_, std::optional<at::Tensor> lse_partial_, int partial_offset,
     std::optional<at::Tensor> k_mask_source_, std::optional<at::Tensor> v_mask_source_);
+
+// A prepared sparse forward: its parameters, flags and buffers (flash_api_sparse.cpp).
+struct SparseLaunch {
+    Flash_fwd_params params;
+    at::Tensor out, softmax_lse, out_accum, lse_accum;
+    bool partial = false, split = false, wide = false, empty = false;
+};
+
+// A sparse forward planned once and run many times (flash_attn_sparse.SparsePlan on FA-2):
+// the constructor takes mha_fwd_sparse's arguments (with an example q, k, v and out; no partials
+// and no second K/V source), checks them, fills the parameters and allocates the LSE and split
+// buffers; run(q, k, v, out) swaps in tensors of the planned shapes, strides and dtype and
+// launches, returning the plan's LSE buffer (the next run overwrites it). The lists, offsets and
+// page table are the caller's tensors, read at every run.
+class SparseForward {
+  public:
+    SparseForward(const at::Tensor &q, const at::Tensor &k, const at::Tensor &v, at::Tensor out,
+                  const at::Tensor &full_cnt, const at::Tensor &full_idx,
+                  std::optional<at::Tensor> mask_cnt, std::optional<at::Tensor> mask_idx,
+                  std::optional<at::Tensor> cu_seqlens_q, std::optional<at::Tensor> cu_seqlens_k,
+                  std::optional<at::Tensor> seqused_k, std::optional<at::Tensor> page_table,
+                  std::optional<at::Tensor> cu_total_m_blocks, std::optional<at::Tensor> cu_block_idx_offsets,
+                  int max_seqlen_q, int max_seqlen_k, int block_size, int q_block_size,
+                  double softmax_scale, bool is_causal, int num_splits, bool pack_gqa);
+    at::Tensor run(const at::Tensor &q, const at::Tensor &k, const at::Tensor &v, at::Tensor out);
+
+  private:
+    SparseLaunch launch_;
+    at::Device device_;
+    std::vector<int64_t> q_sizes_, q_strides_, k_sizes_, k_strides_, v_strides_, out_strides_;
+    at::ScalarType dtype_;
+    std::vector<at::Tensor> lists_;  // kept alive: the parameters point into them
+};
 
 // Merges partials (S x b x h x seqlen_q x d_rounded fp32, S x b x h x seqlen_q fp32) into out and
 // softmax_lse, laid out as mha_fwd_sparse returns them, with the sparse combine kernel (flash_sparse_combine.h).
