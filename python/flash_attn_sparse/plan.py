@@ -30,10 +30,11 @@ class SparsePlan:
     the checked parameters and the LSE and split buffers, and run only swaps in q, k, v and out
     and launches (no argument parsing, no allocation, no host sync; capturable in a CUDA graph);
     its lse is the plan's buffer, overwritten by the next run, like the default out. On FA-3 run
-    calls the op's overload with its arguments bound (backends/fa3.launcher). On the FA-4 backend a batched plan converts the lists to flash-attn-4's
-    block-sparse tensors (views) once and run calls flash-attn-4's forward (its own Python
-    dispatch and compile-cache lookup remain, and it allocates its output, copied into out); a
-    varlen FA-4 plan converts its lists on each run.
+    calls the op's overload with its arguments bound (backends/fa3.launcher). On the FA-4
+    backend a batched plan converts the lists to flash-attn-4's block-sparse tensors (views)
+    once and run calls flash-attn-4's forward (its own Python dispatch and compile-cache lookup
+    remain, and it allocates its output, copied into out); a varlen FA-4 plan converts its lists
+    on each run.
     """
 
     def __init__(self, q: Tensor, k: Tensor, v: Tensor, blocks: BlockTable, *, block_size: int = 128,
