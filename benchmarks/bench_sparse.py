@@ -465,11 +465,6 @@ def bench_shape(shape, roofline, rows, methods, pristine=False):
                                                            for b in blocks])
             if plans is None:
                 continue
-            if plans[0].backend == "fa3" and getattr(plans[0], "_fa4_entry", None) is not None:
-                # SparsePlan binds flash-attn-4's entry for any planned backend but fa2: run() would
-                # time FA-4's kernel under an fa3 label.
-                print(f"  {method}: skipped: the plan binds flash-attn-4's entry for backend fa3 (plan.py)", flush=True)
-                continue
             add(method, rotating([lambda p=p: p.run(q, k, v) for p in plans]),
                 f"SparsePlan.run, planned {plans[0].backend} ({plans[0].why})")
     if "fa4_direct" in methods and not fa4_missing:

@@ -142,13 +142,14 @@ def run_cached(q, k, v, blocks: SparseBlocks, out: Optional[Tensor], validate: O
     cu_q, cu_k, seqused_k, page_table = tensors.values()
     cacheable = (not exhaustive_validation_requested(validate) and not torch.compiler.is_compiling()
                  and isinstance(q, Tensor) and isinstance(k, Tensor) and isinstance(v, Tensor)
-                 and isinstance(blocks, SparseBlocks))
-    key = cacheable and (facts(q), facts(k), facts(v), facts(out), blocks_facts(blocks), tuple(options.items()),
-                         facts(cu_q), facts(cu_k), facts(seqused_k), facts(page_table))
-    if not cacheable or any(len(f) == 1 for f in key[-4:] if f is not None):  # a non-tensor among them
+                 and isinstance(blocks, SparseBlocks)
+                 and all(t is None or isinstance(t, Tensor) for t in (cu_q, cu_k, seqused_k, page_table)))
+    if not cacheable:
         call = SparseCall(q, k, v, blocks, validate=validate, **tensors, **options)
         check_out(out, call.q)
         return run(call, out)
+    key = (facts(q), facts(k), facts(v), facts(out), blocks_facts(blocks), tuple(options.items()),
+           facts(cu_q), facts(cu_k), facts(seqused_k), facts(page_table))
     decision = _decisions.get(key)
     if decision is None:
         call = SparseCall(q, k, v, blocks, **tensors, **options)
