@@ -137,7 +137,7 @@ def fuzz_subset_command(argv) -> list:
     count = argv[position + 1] if len(argv) > position + 1 else "60"
     runner = str(Path(__file__).resolve().parent / "fuzz" / "run.py")
     return [sys.executable, runner, "--sanitizer-subset", "--seed", "0", "--count", count, "--budget-s", "1e9",
-            "--backends", "fa2,fa4,auto", "--fa4-kernels", "6"]  # FA-4 compiles each class: a few
+            "--backends", "fa2,fa3,fa4,auto", "--fa4-kernels", "6"]  # FA-4 compiles each class: a few
 
 
 if __name__ == "__main__":

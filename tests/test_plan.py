@@ -265,10 +265,16 @@ def test_a_fa2_plan_runs_the_extensions_planned_forward(fake_gpu, monkeypatch):
     made, runs = [], []
 
     class FakeSparseForward:
+        """The extension's checks: run refuses tensors laid out otherwise than planned."""
         def __init__(self, **kwargs):
             made.append(kwargs)
+            self.planned = [(t.shape, t.stride(), t.dtype) for t in (kwargs["q"], kwargs["k"], kwargs["v"], kwargs["out"])]
 
         def run(self, q, k, v, out):
+            if not all(isinstance(t, torch.Tensor) for t in (q, k, v, out)):
+                raise TypeError("run(): incompatible function arguments")  # as pybind11 says it
+            if [(t.shape, t.stride(), t.dtype) for t in (q, k, v, out)] != self.planned:
+                raise RuntimeError("SparseForward.run: q, k, v and out must have the planned shapes and strides")
             runs.append((q, k, v, out))
             return torch.zeros(q.shape[0], q.shape[2], q.shape[1])
 
@@ -284,3 +290,8 @@ def test_a_fa2_plan_runs_the_extensions_planned_forward(fake_gpu, monkeypatch):
     strided = torch.empty(B, H, SQ, D, dtype=q.dtype).transpose(1, 2)
     plan.run(q2, k2, v2, out=strided)
     assert len(runs) == 1 and fake_gpu["launches"][-1][0] == "direct"
+    with pytest.raises(SparseInputError, match="^q: the plan was made for shape"):
+        plan.run(q2.to(torch.float64), k2, v2)  # the extension refuses it; the plan's own check names it
+    with pytest.raises(SparseInputError, match="^k: must be a tensor"):
+        plan.run(q2, None, v2)
+    assert len(runs) == 1

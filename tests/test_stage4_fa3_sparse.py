@@ -201,6 +201,31 @@ def test_forced_splits(num_splits, table):
     check_batched(out, lse, q, k, v, full_cnt, full_idx, None, None, q_block, False, scale)
 
 
+@pytest.mark.parametrize("num_splits,causal", [(1, False), (1, True), (4, False)])
+def test_fwd_out_writes_a_given_strided_out_as_fwd_allocates_it(num_splits, causal):
+    """fwd_out (a plan's run, an out= call) writes into a NaN-poisoned out that is a strided view
+    of a larger tensor, bitwise what fwd returns, touching nothing outside the view; split calls
+    (no tile counter) and the persistent scheduler's (counter zeroed per call) alike, twice."""
+    batch, heads, heads_k, seqlen_q, seqlen_k, q_block = 2, 8, 2, 200, 3000, 128
+    rng = random.Random(31 + num_splits + causal)
+    q, k, v = make_qkv(batch, seqlen_q, seqlen_k, heads, heads_k, 128, torch.bfloat16, seed=rng.randrange(1 << 30))
+    n_blocks, m_blocks = math.ceil(seqlen_k / BLOCK), math.ceil(seqlen_q / q_block)
+    rows = [[[gapped_permuted(rng, n_blocks, 0.4, must=[n_blocks - 1]) for _ in range(m_blocks)] for _ in range(heads_k)]
+            for _ in range(batch)]
+    full_cnt, full_idx = pack_rows(rows)
+    options = dict(softmax_scale=0.125, q_block_size=q_block, causal=causal, num_splits=num_splits)
+    want, want_lse = SPARSE_FWD(q, k, v, full_cnt, full_idx, None, None, None, None, None, None, None, None, **options)
+    wide = torch.full((batch, seqlen_q, heads + 3, 128), float("nan"), dtype=q.dtype, device="cuda")
+    out = wide[:, :, 1:heads + 1]
+    fwd_out = torch.ops.flash_attn_3_sparse.fwd_out
+    for _ in range(2):
+        lse = fwd_out(q, k, v, out, full_cnt, full_idx, None, None, None, None, None, None, None, None, **options)
+        torch.cuda.synchronize()
+        assert torch.equal(out, want) and torch.equal(lse, want_lse)
+    assert wide[:, :, 0].isnan().all() and wide[:, :, heads + 1:].isnan().all()
+    check_batched(out, lse, q, k, v, full_cnt, full_idx, None, None, q_block, causal, 0.125)
+
+
 @pytest.mark.parametrize("num_splits", [1, 3])
 def test_empty_lists(num_splits):
     batch, heads, heads_k, seqlen_q, seqlen_k, q_block = 2, 4, 4, 256, 640, 128

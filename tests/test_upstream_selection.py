@@ -1,6 +1,6 @@
 """The selection of upstream flash-attn tests that the GPU gate runs (tests/upstream): it names
 parameters upstream's tests have, keeps forward-only cases at the compiled head dims only, and
-the archive it unpacks is the one the shared README records."""
+the archive it unpacks is the one upstream/lock.toml pins."""
 
 import ast
 import hashlib
@@ -15,8 +15,7 @@ from upstream import run_upstream
 
 def parametrizations(test_name: str) -> list:
     """[(names, [value tuples])] of an upstream test's parametrize decorators (no import)."""
-    path = run_upstream.SHARED / run_upstream.ARCHIVE
-    with tarfile.open(path) as tar:
+    with tarfile.open(run_upstream.find_archive()) as tar:
         source = tar.extractfile("tests/test_flash_attn.py").read().decode()
     tree = ast.parse(source)
     function = next(n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == test_name)
@@ -32,15 +31,15 @@ def parametrizations(test_name: str) -> list:
     return groups
 
 
-needs_archive = pytest.mark.skipif(not (run_upstream.SHARED / run_upstream.ARCHIVE).exists(),
-                                   reason="../shared/upstream has no tests archive")
+ARCHIVE_FOLDERS = (run_upstream.SHARED, run_upstream.CACHE)
+needs_archive = pytest.mark.skipif(not any((folder / run_upstream.ARCHIVE).exists() for folder in ARCHIVE_FOLDERS),
+                                   reason="neither ../shared/upstream nor .cache/upstream has the tests archive")
 
 
 @needs_archive
-def test_the_archive_is_the_recorded_one():
-    data = (run_upstream.SHARED / run_upstream.ARCHIVE).read_bytes()
-    assert hashlib.sha256(data).hexdigest() == run_upstream.expected_sha256(run_upstream.SHARED / "README.md",
-                                                                            run_upstream.ARCHIVE)
+def test_the_archive_is_the_pinned_one():
+    data = run_upstream.find_archive().read_bytes()
+    assert hashlib.sha256(data).hexdigest() == run_upstream.expected_sha256(run_upstream.ARCHIVE)
 
 
 @needs_archive

@@ -23,8 +23,8 @@ class SparsePlan:
     flash_attn_varlen_with_sparse_blocks. Every check runs here, and raises SparseInputError.
 
     run(q, k, v, out=None) -> (out, lse): q, k, v must match the examples' facts (else
-    SparseInputError); out defaults to the plan's own output buffer, which the next run
-    overwrites. The lists, seqused_k, page_table and cu_seqlens are the plan's (the caller's
+    SparseInputError; on FA-2 the extension compares them, in C++); out defaults to the plan's
+    own output buffer, which the next run overwrites. The lists, seqused_k, page_table and cu_seqlens are the plan's (the caller's
     tensors): update them in place between runs, within the shapes planned (list capacity,
     pages), and the next run sees them. On the FA-2 backend the extension's SparseForward holds
     the checked parameters and the LSE and split buffers, and run only swaps in q, k, v and out
@@ -75,6 +75,15 @@ class SparsePlan:
 
     def run(self, q: Tensor, k: Tensor, v: Tensor, out: Optional[Tensor] = None) -> Tuple[Tensor, Tensor]:
         """(out, lse) of the planned forward over q, k, v (see the class)."""
+        if self._planned is not None:
+            # The extension's run compares dtype, device, shapes and strides itself (C++), so the
+            # planned case pays no Python checks; anything it refuses falls through to the checks
+            # below, which name what differs.
+            target = self.out if out is None else out
+            try:
+                return target, self._planned.run(q, k, v, target)
+            except (RuntimeError, TypeError):
+                pass
         if (facts(q), facts(k), facts(v)) != self._facts:
             self._refuse(q, k, v)
         if out is None:

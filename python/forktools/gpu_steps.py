@@ -116,6 +116,13 @@ def sanitize(session) -> str:
     return "sanitize: " + ";".join(session.read(log).splitlines())
 
 
+def sanitize_fuzz(session) -> str:
+    log = session.logs / "sanitize-fuzz.log"
+    session.run([PY, "tests/sanitize.py", "--fuzz-subset", str(session.options.sanitize_fuzz_count)], output=log, timeout=420)
+    return "sanitize fuzz subset: " + ";".join(line for line in session.read(log).splitlines() if "fuzz cases" in line or "clean" in line
+                                               or "ERRORS" in line)
+
+
 def _bench(session, name: str, *shapes: str) -> str:
     methods = ["--methods", session.options.bench_methods] if session.options.bench_methods else []
     session.run([PY, "benchmarks/bench_sparse.py", *shapes, *methods, "--json", session.out / f"{name}.json",
@@ -312,7 +319,8 @@ def fuzz(session) -> str:
 
 def upstream_fa2(session) -> str:
     log = session.logs / "upstream-fa2.log"
-    session.run([PY, "tests/upstream/run_upstream.py"], output=log, timeout=session.options.pytest_timeout)
+    # About 4,900 small cases: eight pytest workers share the GPU (pytest-xdist is on the GPU machine).
+    session.run([PY, "tests/upstream/run_upstream.py", "-n", "8"], output=log, timeout=session.options.pytest_timeout)
     return f"upstream FA-2 tests: {_last_line(session, log)}"
 
 
@@ -340,6 +348,12 @@ def client_bench(session) -> str:
     table = session.out / "client-bench.md"
     session.act("copy the markdown table", shutil.copyfile, log, table)
     return f"client bench: {_last_line(session, log)}"
+
+
+def host_time(session) -> str:
+    log = session.logs / "host-time.log"
+    session.run([PY, "benchmarks/host_time.py", "--out", session.out], output=log, timeout=300)
+    return f"host time: {'host-time.md' if (session.out / 'host-time.md').exists() else 'FAILED (see host-time.log)'}"
 
 
 def examples(session) -> str:
@@ -370,6 +384,8 @@ STEPS = {
     "tests": ("every GPU test, or those --pytest-args names (files, -k), within --pytest-timeout s", tests),
     "mutation": ("build with V stepping densely: the permuted-list tests must fail", mutation),
     "sanitize": ("compute-sanitizer memcheck, racecheck, initcheck over the sparse kernels (tests/sanitize.py)", sanitize),
+    "sanitize-fuzz": ("the three tools over the fuzzer's adversarial subset (bad ids, counts, pages, varlen edges), every backend",
+                      sanitize_fuzz),
     "reliability": ("tests/test_reliability_gpu.py", reliability),
     "fa4": ("the stage-4 (FA-4 backend) tests", fa4),
     "fa3": ("the FA-3 sparse SM90 forward's tests (tests/test_stage4_fa3_sparse.py) on the dev flash_attn_3 wheel", fa3),
@@ -392,5 +408,6 @@ STEPS = {
     "example": ("every examples/*.py, each must exit 0", examples),
     "upstream-fa3": ("upstream FA-3 hopper/test_flash_attn.py forward tests on flash_attn_3 (--upstream-fa3-k)", upstream_fa3),
     "distributed": ("the context-parallel tests on one GPU (tests/test_distributed_gpu.py)", distributed),
+    "host-time": ("benchmarks/host_time.py: where plan.run's and the one-shot call's host time goes, per backend", host_time),
     "client-bench": ("examples/transformers_quest.py --bench at 32k, 1/8: tokens/s eager and graphed vs dense SDPA", client_bench),
 }

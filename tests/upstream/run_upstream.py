@@ -2,10 +2,12 @@
 
     python tests/upstream/run_upstream.py [--collect-only] [--stub] [pytest args...]
 
-Unpacks ../shared/upstream/flash-attention-v2.8.3-tests.tar.gz (its sha256 checked against
-the table in ../shared/upstream/README.md) into a temporary folder and runs pytest over its
-tests/test_flash_attn.py with the selection plugin fa2_forward_selection.py (which tests, and
-why). Prints the pass / skip / fail / deselected counts; exits with pytest's status.
+Unpacks flash-attention-v2.8.3-tests.tar.gz (its sha256 checked against upstream/lock.toml's
+pin) from $FA_UPSTREAM_SHARED, ../shared/upstream or the upstream cache .cache/upstream (where
+`nox -s upstream` puts it: the GPU machine has no ../shared) into a temporary folder and runs
+pytest over its tests/test_flash_attn.py with the selection plugin fa2_forward_selection.py
+(which tests, and why). Prints the pass / skip / fail / deselected counts; exits with pytest's
+status.
 --stub (with --collect-only) collects without a GPU or flash_attn (collect_stubs.py).
 """
 
@@ -16,26 +18,39 @@ import subprocess
 import sys
 import tarfile
 import tempfile
+import tomllib
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-SHARED = HERE.parent.parent.parent / "shared" / "upstream"
+REPO = HERE.parent.parent
+SHARED = REPO.parent / "shared" / "upstream"
+LOCK = REPO / "upstream" / "lock.toml"
+CACHE = REPO / ".cache" / "upstream"
 ARCHIVE = "flash-attention-v2.8.3-tests.tar.gz"
 COUNTS = ("passed", "skipped", "failed", "error", "deselected")
 
 
-def expected_sha256(readme: Path, archive: str) -> str:
-    for line in readme.read_text().splitlines():
-        if line.startswith(f"| `{archive}`"):
-            return re.findall(r"`([0-9a-f]{64})`", line)[-1]
-    raise SystemExit(f"{readme}: no sha256 row for {archive}")
+def expected_sha256(archive: str) -> str:
+    """The archive's sha256 as upstream/lock.toml pins it."""
+    with open(LOCK, "rb") as lock:
+        pins = [entry for entry in tomllib.load(lock).get("github", []) if entry.get("archive") == archive]
+    if not pins:
+        raise SystemExit(f"{LOCK}: no [[github]] entry for {archive}")
+    return pins[0]["sha256"]
 
 
-def unpack(shared: Path, into: Path) -> Path:
-    archive = shared / ARCHIVE
+def find_archive() -> Path:
+    folders = [Path(os.environ["FA_UPSTREAM_SHARED"])] if os.environ.get("FA_UPSTREAM_SHARED") else [SHARED, CACHE]
+    for folder in folders:
+        if (folder / ARCHIVE).is_file():
+            return folder / ARCHIVE
+    raise SystemExit(f"{ARCHIVE} is in none of {', '.join(map(str, folders))} (nox -s upstream puts it in {CACHE})")
+
+
+def unpack(archive: Path, into: Path) -> Path:
     digest = hashlib.sha256(archive.read_bytes()).hexdigest()
-    if digest != expected_sha256(shared / "README.md", ARCHIVE):
-        raise SystemExit(f"{archive}: sha256 {digest} is not the one README.md records")
+    if digest != expected_sha256(ARCHIVE):
+        raise SystemExit(f"{archive}: sha256 {digest} is not the one upstream/lock.toml pins")
     with tarfile.open(archive) as tar:
         try:
             tar.extractall(into, filter="data")
@@ -54,7 +69,7 @@ def main(argv) -> int:
     stub = "--stub" in argv
     args = [a for a in argv if a != "--stub"]
     with tempfile.TemporaryDirectory(prefix="fa2-upstream-") as tmp:
-        test_file = unpack(Path(os.environ.get("FA_UPSTREAM_SHARED", SHARED)), Path(tmp))
+        test_file = unpack(find_archive(), Path(tmp))
         plugins = ["-p", "collect_stubs"] if stub else []
         command = [sys.executable, "-m", "pytest", *plugins, "-p", "fa2_forward_selection", "-p", "no:cacheprovider",
                    "--rootdir", tmp, "-q", "-rfE", str(test_file), *args]

@@ -33,26 +33,27 @@ def num_splits(call) -> int:
 
 def launcher(call, splits: int) -> Callable:
     """launch(q, k, v, blocks, out, **tensors) -> (out, lse): this call's forward over new tensors
-    of the same facts, the op's other arguments bound here once (as fa2.launcher). The op
-    allocates its output, so a given `out` is filled by a copy."""
+    of the same facts, the op's other arguments bound here once (as fa2.launcher). A given `out`
+    is written in place (fwd_out), else the op allocates it (fwd)."""
     bound = fa3_ops.static_args(call.q, call.effective_blocks(), softmax_scale=call.scale, causal=call.causal,
                                 num_splits=splits, max_seqlen_q=call.max_seqlen_q if call.varlen else None,
                                 max_seqlen_k=call.max_seqlen_k if call.varlen else None)
-    op = fa3_ops.op()
+    op, op_out = fa3_ops.op(), fa3_ops.op_out()
 
     def launch(q, k, v, blocks, out, cu_seqlens_q=None, cu_seqlens_k=None, seqused_k=None, page_table=None):
-        result, lse = op(q, k, v, blocks.full_cnt, blocks.full_idx, blocks.mask_cnt, blocks.mask_idx,
-                         blocks.cu_total_m_blocks, blocks.cu_block_idx_offsets, cu_seqlens_q=cu_seqlens_q,
-                         cu_seqlens_k=cu_seqlens_k, **bound)
         if out is None:
-            return result, lse
-        out.copy_(result)
+            return op(q, k, v, blocks.full_cnt, blocks.full_idx, blocks.mask_cnt, blocks.mask_idx,
+                      blocks.cu_total_m_blocks, blocks.cu_block_idx_offsets, cu_seqlens_q=cu_seqlens_q,
+                      cu_seqlens_k=cu_seqlens_k, **bound)
+        lse = op_out(q, k, v, out, blocks.full_cnt, blocks.full_idx, blocks.mask_cnt, blocks.mask_idx,
+                     blocks.cu_total_m_blocks, blocks.cu_block_idx_offsets, cu_seqlens_q=cu_seqlens_q,
+                     cu_seqlens_k=cu_seqlens_k, **bound)
         return out, lse
     return launch
 
 
 def run(call, splits: int, out: Optional[Tensor] = None) -> Tuple[Tensor, Tensor]:
-    """(out, lse); the op allocates its output, so a given `out` is filled by a copy."""
+    """(out, lse); a given `out` is written in place."""
     varlen = call.varlen
     return launcher(call, splits)(call.q, call.k, call.v, call.effective_blocks(), out,
                                   cu_seqlens_q=call.cu_seqlens_q if varlen else None,

@@ -1,5 +1,6 @@
-"""The FA-3 sparse SM90 forward, torch.ops.flash_attn_3_sparse.fwd (patches/overlay/flash-attn-3/
-hopper/flash_api_sparse.cpp, built into upstream's flash_attn_3 wheel by forktools build).
+"""The FA-3 sparse SM90 forward, torch.ops.flash_attn_3_sparse.fwd and fwd_out (into a given out;
+patches/overlay/flash-attn-3/hopper/flash_api_sparse.cpp, built into upstream's flash_attn_3
+wheel by forktools build).
 
 sparse_fwd takes the SparseBlocks of the FA-2 path and returns (out, lse) in its layout: LSE
 (batch, heads, seqlen_q) batched, (heads, total_q) varlen. refusal() states, from shapes only,
@@ -81,6 +82,11 @@ def refusal(q: Tensor, k: Tensor, blocks: SparseBlocks, *, varlen: bool, paged: 
 def op():
     """The op's one overload (past torch.ops' overload resolution on every call)."""
     return torch.ops.flash_attn_3_sparse.fwd.default
+
+
+def op_out():
+    """The op writing into a given out (fwd_out: no output allocation, no copy); returns the LSE."""
+    return torch.ops.flash_attn_3_sparse.fwd_out.default
 
 
 def static_args(q: Tensor, blocks: SparseBlocks, *, softmax_scale: Optional[float] = None, causal: bool = False,

@@ -1,7 +1,8 @@
 /******************************************************************************
- * Host entry point of the sparse SM90 forward: flash_attn_3_sparse::fwd, attention of each
- * (batch, table head, query tile) over the K/V blocks its lists name (the project's sparse
- * contract, flash_attn_sparse/metadata.py), split-KV partials merged by flash_fwd_combine.
+ * Host entry points of the sparse SM90 forward: flash_attn_3_sparse::fwd (allocates out) and
+ * fwd_out (writes a given out), attention of each (batch, table head, query tile) over the K/V
+ * blocks its lists name (the project's sparse contract, flash_attn_sparse/metadata.py),
+ * split-KV partials merged by flash_fwd_combine.
  *
  * The Python layer validates the lists' contents; here are the cheap checks (dtypes, shapes,
  * strides) and the kernels stay memory safe on bad contents (sparse_block_list.h).
@@ -94,8 +95,9 @@ int auto_num_splits(int num_tiles, int num_sm, int max_list_blocks) {
 
 }  // namespace
 
-std::tuple<at::Tensor, at::Tensor> mha_fwd_sparse(
-        at::Tensor q, at::Tensor k, at::Tensor v,
+// The forward into `out` (like q, contiguous last dimension); returns the LSE.
+at::Tensor mha_fwd_sparse_into(
+        at::Tensor q, at::Tensor k, at::Tensor v, at::Tensor out,
         at::Tensor full_cnt, at::Tensor full_idx,
         c10::optional<at::Tensor> mask_cnt, c10::optional<at::Tensor> mask_idx,
         c10::optional<at::Tensor> cu_total_m_blocks, c10::optional<at::Tensor> cu_block_idx_offsets,
@@ -162,15 +164,16 @@ std::tuple<at::Tensor, at::Tensor> mha_fwd_sparse(
         TORCH_CHECK(full_cnt.size(2) >= (seqlen_q + q_block_size - 1) / q_block_size, "full_cnt needs one row per query tile");
     }
 
+    TORCH_CHECK(out.scalar_type() == q_type && out.device() == q.device() && out.sizes() == q.sizes() && (out.numel() == 0 || out.stride(-1) == 1),
+                "out must be like q (dtype, device, shape) with a contiguous last dimension");
     auto opts = q.options();
-    at::Tensor out = at::empty_like(q);
     at::Tensor softmax_lse = varlen ? at::empty({num_heads, total_q}, opts.dtype(at::kFloat))
                                     : at::empty({batch_size, num_heads, seqlen_q}, opts.dtype(at::kFloat));
-    if (total_q == 0) { return {out, softmax_lse}; }
+    if (total_q == 0) { return softmax_lse; }
     if (total_k == 0) {  // no keys at all: the empty-list result everywhere
         out.zero_();
         softmax_lse.fill_(-std::numeric_limits<float>::infinity());
-        return {out, softmax_lse};
+        return softmax_lse;
     }
 
     Flash_fwd_params params;
@@ -241,9 +244,13 @@ std::tuple<at::Tensor, at::Tensor> mha_fwd_sparse(
         params.lseaccum_split_stride = lse_accum.stride(0);
         params.lseaccum_head_stride = lse_accum.stride(-2);
     }
-    // The persistent schedulers (causal, varlen) take tiles from a counter; no dynamic splits.
-    at::Tensor tile_count_semaphore = at::zeros({1}, opts.dtype(at::kInt));
-    params.tile_count_semaphore = tile_count_semaphore.data_ptr<int>();
+    // The sparse path's persistent scheduler takes tiles from a zeroed counter; split calls of
+    // fixed length run one tile per CTA (UsePersistentScheduler in the launch template) and need
+    // none, which spares a decode call an allocation and a memset launch. No dynamic splits.
+    at::Tensor tile_count_semaphore;
+    bool const scheduler_needs_semaphore = !(params.num_splits > 1 && !varlen);
+    if (scheduler_needs_semaphore) { tile_count_semaphore = at::zeros({1}, opts.dtype(at::kInt)); }
+    params.tile_count_semaphore = scheduler_needs_semaphore ? tile_count_semaphore.data_ptr<int>() : nullptr;
     params.num_splits_dynamic_ptr = nullptr;
 
     auto stream = c10::cuda::getCurrentCUDAStream().stream();
@@ -251,7 +258,23 @@ std::tuple<at::Tensor, at::Tensor> mha_fwd_sparse(
     if (params.num_splits > 1) {
         run_mha_fwd_combine(params, stream, false /*enable_pdl*/);
     }
-    return {out, softmax_lse};
+    return softmax_lse;
+}
+
+std::tuple<at::Tensor, at::Tensor> mha_fwd_sparse(
+        at::Tensor q, at::Tensor k, at::Tensor v,
+        at::Tensor full_cnt, at::Tensor full_idx,
+        c10::optional<at::Tensor> mask_cnt, c10::optional<at::Tensor> mask_idx,
+        c10::optional<at::Tensor> cu_total_m_blocks, c10::optional<at::Tensor> cu_block_idx_offsets,
+        c10::optional<at::Tensor> cu_seqlens_q, c10::optional<at::Tensor> cu_seqlens_k,
+        c10::optional<int64_t> max_seqlen_q, c10::optional<int64_t> max_seqlen_k,
+        double softmax_scale, int64_t block_size, int64_t q_block_size, bool causal,
+        int64_t num_splits, c10::optional<bool> pack_gqa) {
+    at::Tensor out = at::empty_like(q);
+    at::Tensor lse = mha_fwd_sparse_into(q, k, v, out, full_cnt, full_idx, mask_cnt, mask_idx, cu_total_m_blocks,
+                                         cu_block_idx_offsets, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                                         softmax_scale, block_size, q_block_size, causal, num_splits, pack_gqa);
+    return {out, lse};
 }
 
 namespace {
@@ -272,6 +295,19 @@ std::tuple<at::Tensor, at::Tensor> mha_fwd_sparse_meta(
     return {out, lse};
 }
 
+at::Tensor mha_fwd_sparse_into_meta(
+        at::Tensor q, at::Tensor k, at::Tensor v, at::Tensor out, at::Tensor full_cnt, at::Tensor full_idx,
+        c10::optional<at::Tensor> mask_cnt, c10::optional<at::Tensor> mask_idx,
+        c10::optional<at::Tensor> cu_total_m_blocks, c10::optional<at::Tensor> cu_block_idx_offsets,
+        c10::optional<at::Tensor> cu_seqlens_q, c10::optional<at::Tensor> cu_seqlens_k,
+        c10::optional<int64_t> max_seqlen_q, c10::optional<int64_t> max_seqlen_k,
+        double softmax_scale, int64_t block_size, int64_t q_block_size, bool causal,
+        int64_t num_splits, c10::optional<bool> pack_gqa) {
+    return std::get<1>(mha_fwd_sparse_meta(q, k, v, full_cnt, full_idx, mask_cnt, mask_idx, cu_total_m_blocks,
+                                           cu_block_idx_offsets, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                                           softmax_scale, block_size, q_block_size, causal, num_splits, pack_gqa));
+}
+
 }  // namespace
 
 TORCH_LIBRARY(flash_attn_3_sparse, m) {
@@ -279,12 +315,19 @@ TORCH_LIBRARY(flash_attn_3_sparse, m) {
           "Tensor? cu_total_m_blocks, Tensor? cu_block_idx_offsets, Tensor? cu_seqlens_q, Tensor? cu_seqlens_k, "
           "int? max_seqlen_q, int? max_seqlen_k, *, float softmax_scale, int block_size=128, int q_block_size=128, "
           "bool causal=False, int num_splits=1, bool? pack_gqa=None) -> (Tensor out, Tensor softmax_lse)");
+    // The same forward writing into a given out (no allocation, no copy): a plan's run.
+    m.def("fwd_out(Tensor q, Tensor k, Tensor v, Tensor(a!) out, Tensor full_cnt, Tensor full_idx, Tensor? mask_cnt, "
+          "Tensor? mask_idx, Tensor? cu_total_m_blocks, Tensor? cu_block_idx_offsets, Tensor? cu_seqlens_q, "
+          "Tensor? cu_seqlens_k, int? max_seqlen_q, int? max_seqlen_k, *, float softmax_scale, int block_size=128, "
+          "int q_block_size=128, bool causal=False, int num_splits=1, bool? pack_gqa=None) -> Tensor softmax_lse");
 }
 
 TORCH_LIBRARY_IMPL(flash_attn_3_sparse, CUDA, m) {
     m.impl("fwd", &mha_fwd_sparse);
+    m.impl("fwd_out", &mha_fwd_sparse_into);
 }
 
 TORCH_LIBRARY_IMPL(flash_attn_3_sparse, Meta, m) {
     m.impl("fwd", &mha_fwd_sparse_meta);
+    m.impl("fwd_out", &mha_fwd_sparse_into_meta);
 }

@@ -7,6 +7,9 @@
 #include "namespace_config.h"
 #include <c10/cuda/CUDAException.h>  // For C10_CUDA_CHECK and C10_CUDA_KERNEL_LAUNCH_CHECK
 
+#include <atomic>
+#include <cstdint>
+
 #include "static_switch.h"
 #include "flash.h"
 #include "flash_sparse.h"
@@ -15,6 +18,18 @@
 #include "flash_sparse_combine.h"
 
 namespace FLASH_NAMESPACE {
+
+// cudaFuncSetAttribute(MaxDynamicSharedMemorySize) unless `done` has the current device's bit:
+// a planned run is only a launch, and the attribute keeps its value for the kernel.
+template<typename Kernel>
+void allow_dynamic_smem(Kernel kernel, size_t smem_size, std::atomic<uint64_t> &done) {
+    int device = 0;
+    C10_CUDA_CHECK(cudaGetDevice(&device));
+    const uint64_t bit = device < 64 ? uint64_t(1) << device : 0;
+    if (bit != 0 && (done.load(std::memory_order_relaxed) & bit)) { return; }
+    C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem_size));
+    done.fetch_or(bit, std::memory_order_relaxed);
+}
 
 template<typename Kernel_traits, bool Is_even_K, bool Split, bool Paged, bool ClusterMerge>
 __forceinline__ __device__ void run_sparse_tile(const Flash_fwd_params &params) {
@@ -71,7 +86,10 @@ void run_flash_sparse_fwd(Flash_fwd_params &params, cudaStream_t stream) {
                 }
             }();
             if (smem_size >= 48 * 1024) {
-                C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem_size));
+                // Once per kernel and device (this lambda's static is per instantiation): the
+                // attribute sticks, and setting it takes a driver call on every launch otherwise.
+                static std::atomic<uint64_t> smem_allowed_on_devices{0};
+                allow_dynamic_smem(kernel, smem_size, smem_allowed_on_devices);
             }
             if constexpr (ClusterMerge) {
                 cudaLaunchAttribute cluster[1];

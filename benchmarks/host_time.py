@@ -1,0 +1,181 @@
+"""Where a call's host time goes, at the decode shapes of DESIGN §7 (1/16, per-K/V-head lists).
+
+For each backend present (fa2, fa3, fa4) and each shape it times, in one process:
+- `after sync`: median over 200 calls of one call started on an idle GPU (bench_sparse.py's
+  host_us), and `back to back`: the mean host time of 200 calls issued without waiting (what an
+  eager model's launch stream costs the CPU);
+- eager ms per call (back-to-back calls, synchronized at the end) over the graph-replay ms, the
+  ratio issue 27 bounds (one list set here, so L2 stays warm for both, unlike bench_sparse.py);
+- the parts: plan.run, the launch it makes alone (the FA-2 extension's SparseForward.run, the
+  FA-3 op's fwd_out overload), the plan's Python checks, and for scale a lone device copy and an
+  empty Python call;
+- the CUDA runtime calls inside 100 plan.run calls (torch.profiler's CPU-side events: count and
+  mean us each), which says which driver calls a launch pays.
+
+    python benchmarks/host_time.py [--out DIR] [--shapes "B8 Sq1"]   (GPU; writes host-time.md/.json)
+"""
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import flash_attn_sparse as fas  # noqa: E402
+from bench_sparse import DECODE, make_lists, random_inputs, to_blocks  # noqa: E402
+from flash_attn_sparse.backends import BACKENDS  # noqa: E402
+from flash_attn_sparse.interface import facts  # noqa: E402
+
+CALLS = 200
+
+
+def after_sync_us(fn) -> float:
+    samples = []
+    for _ in range(CALLS):
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        fn()
+        samples.append(time.perf_counter() - start)
+    torch.cuda.synchronize()
+    return statistics.median(samples) * 1e6
+
+
+def back_to_back_us(fn) -> float:
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(CALLS):
+        fn()
+    took = time.perf_counter() - start
+    torch.cuda.synchronize()
+    return took / CALLS * 1e6
+
+
+def eager_over_graph(fn) -> tuple:
+    """(eager ms per call of back-to-back calls, graph-replay ms per call)."""
+    for _ in range(10):
+        fn()
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(CALLS):
+        fn()
+    torch.cuda.synchronize()
+    eager = (time.perf_counter() - start) * 1e3 / CALLS
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(20):
+            fn()
+    graph.replay()
+    torch.cuda.synchronize()
+    start_event, end_event = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start_event.record()
+    for _ in range(10):
+        graph.replay()
+    end_event.record()
+    torch.cuda.synchronize()
+    return eager, start_event.elapsed_time(end_event) / 200
+
+
+def runtime_calls(fn) -> str:
+    """The CUDA runtime / driver calls of 100 calls of fn: 'name xcount mean-us' each."""
+    from torch.profiler import ProfilerActivity, profile
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(100):
+            fn()
+        torch.cuda.synchronize()
+    events = [e for e in prof.key_averages() if e.key.startswith(("cuda", "cu")) and e.key != "cudaDeviceSynchronize"]
+    return "; ".join(f"{e.key} x{e.count / 100:g} {e.cpu_time_total / e.count:.1f}" for e in events)
+
+
+def parts(backend, plan, q, k, v):
+    """The launch a plan's run makes, without its Python checks: (name, fn) or None."""
+    if backend == "fa2" and plan._planned is not None:
+        planned, out = plan._planned, plan.out
+        return "SparseForward.run", lambda: planned.run(q, k, v, out)
+    if backend == "fa3":
+        launch, blocks, out = plan._launch, plan.blocks, plan.out
+        return "fa3 launcher (fwd_out)", lambda: launch(q, k, v, blocks, out)
+    return None
+
+
+def measure(shape, backend):
+    import random
+    q, k, v = random_inputs(shape)
+    blocks = to_blocks(make_lists(shape, random.Random(0)), shape)
+    try:
+        plan = fas.plan(q, k, v, blocks, backend=backend)
+    except fas.SparseInputError as error:
+        return {"shape": shape.name, "backend": backend, "note": f"refused: {error}"}
+    run = lambda: plan.run(q, k, v)  # noqa: E731
+    one_shot = lambda: fas.flash_attn_with_sparse_block_table(q, k, v, blocks, backend=backend)  # noqa: E731
+    row = {"shape": shape.name, "backend": backend, "splits": plan.num_splits}
+    for _ in range(20):
+        run(), one_shot()
+    row["plan_run_after_sync_us"] = after_sync_us(run)
+    row["plan_run_back_to_back_us"] = back_to_back_us(run)
+    row["one_shot_after_sync_us"] = after_sync_us(one_shot)
+    row["one_shot_back_to_back_us"] = back_to_back_us(one_shot)
+    try:
+        row["eager_ms"], row["graph_ms"] = eager_over_graph(run)
+    except Exception as error:  # a backend whose run cannot be captured: the other columns stand
+        row["eager_ms"] = row["graph_ms"] = float("nan")
+        row["graph_note"] = f"{type(error).__name__}: {str(error)[:80]}"
+    launch = parts(backend, plan, q, k, v)
+    if launch:
+        row["launch_name"] = launch[0]
+        row["launch_after_sync_us"] = after_sync_us(launch[1])
+        row["launch_back_to_back_us"] = back_to_back_us(launch[1])
+    row["checks_us"] = back_to_back_us(lambda: (facts(q), facts(k), facts(v)) == plan._facts)
+    row["runtime_calls"] = runtime_calls(run)
+    return row
+
+
+def markdown(rows, copy_us, empty_us) -> str:
+    lines = [f"lone copy_: {copy_us[0]:.1f} us after sync, {copy_us[1]:.1f} back to back; empty Python call {empty_us:.2f} us",
+             "", "| shape | backend | splits | plan.run us (after sync / back to back) | one-shot us | launch alone us | "
+             "checks us | eager / graph | runtime calls per run (name xN mean us) |", "|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        if "note" in r:
+            lines.append(f"| {r['shape']} | {r['backend']} | | {r['note']} | | | | | |")
+            continue
+        launch = (f"{r['launch_after_sync_us']:.1f} / {r['launch_back_to_back_us']:.1f} ({r['launch_name']})"
+                  if "launch_name" in r else "")
+        lines.append(f"| {r['shape']} | {r['backend']} | {r['splits']} | {r['plan_run_after_sync_us']:.1f} / "
+                     f"{r['plan_run_back_to_back_us']:.1f} | {r['one_shot_after_sync_us']:.1f} / "
+                     f"{r['one_shot_back_to_back_us']:.1f} | {launch} | {r['checks_us']:.1f} | "
+                     f"{r['eager_ms'] * 1e3:.1f} / {r['graph_ms'] * 1e3:.1f} us = {r['eager_ms'] / r['graph_ms']:.2f} | "
+                     f"{r['runtime_calls']} |")
+    return "\n".join(lines)
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path)
+    parser.add_argument("--shapes", default="B8 Sq16,B8 Sq1,B1 Sq1", help="comma-separated substrings of the decode shapes")
+    parser.add_argument("--backends", default="fa2,fa3,fa4")
+    args = parser.parse_args()
+    shapes = [s for s in DECODE if abs(s.density - 1 / 16) < 1e-9 and any(p in s.name for p in args.shapes.split(","))]
+    src = torch.empty(1 << 20, device="cuda")
+    dst = torch.empty_like(src)
+    copy_us = (after_sync_us(lambda: dst.copy_(src)), back_to_back_us(lambda: dst.copy_(src)))
+    empty_us = back_to_back_us(lambda: None)
+    rows = []
+    for shape in shapes:
+        for backend in args.backends.split(","):
+            if backend not in BACKENDS:
+                continue
+            rows.append(measure(shape, backend))
+            print(rows[-1], flush=True)
+    table = markdown(rows, copy_us, empty_us)
+    print(table)
+    if args.out:
+        args.out.mkdir(parents=True, exist_ok=True)
+        (args.out / "host-time.md").write_text(table + "\n")
+        (args.out / "host-time.json").write_text(json.dumps({"copy_us": copy_us, "empty_us": empty_us, "rows": rows}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
