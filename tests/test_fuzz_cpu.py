@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from flash_attn_sparse import SparseInputError
-from fuzz import space
+from fuzz import run, space
 from fuzz.build import Case
 from fuzz.run import compare
 
@@ -227,3 +227,12 @@ def test_the_reach_of_a_poisoned_value_is_computed_for_every_form():
         assert compare(exact, exact, low, case.dtype, case.non_finite_reach()) == "", (i, c.form)
         forms.add(c.form)
     assert "spec_gather" in forms and len(forms) >= 4, forms
+
+
+def test_variants_change_one_field_each():
+    """--vary: the drawn configuration first, then one copy per FIELD=VALUE, the rest untouched."""
+    drawn = space.draw(3, 718, (64, 128))
+    found = run.variants(drawn, ["num_splits=1", "seqused_k=None"])
+    assert [label for label, _ in found] == ["", " [num_splits=1]", " [seqused_k=None]"]
+    assert found[0][1] is drawn and found[1][1].num_splits == 1 and found[2][1].seqused_k is None
+    assert found[1][1].full == drawn.full and found[2][1].num_splits == drawn.num_splits

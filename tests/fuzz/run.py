@@ -1,7 +1,7 @@
 """Differential fuzzer of the sparse forward on a GPU: every backend against the reference.
 
     python tests/fuzz/run.py [--seed S] [--count N] [--budget-s T] [--backends fa2,fa4,auto]
-                             [--only INDEX] [--sanitizer-subset]
+                             [--only INDEX [--vary FIELD=VALUE ...]] [--sanitizer-subset]
 
 Each configuration (space.draw(seed, index)) runs on every backend and on "auto", and each run is
 classified: pass (FlashAttention's 2x rule against an fp64/fp32 reference, LSE too, non-finite
@@ -15,7 +15,9 @@ counts, page tables; varlen edges), unvalidated, for compute-sanitizer (tests/sa
 """
 
 import argparse
+import ast
 import collections
+import dataclasses
 import sys
 import time
 from pathlib import Path
@@ -217,6 +219,15 @@ def run_config(case: Case, backends, cap: KernelCap) -> dict:
     return outcomes
 
 
+def variants(config: space.Config, changes: list) -> list:
+    """[(label, config)]: the drawn configuration, then one copy per FIELD=VALUE change."""
+    found = [("", config)]
+    for change in changes:
+        field, _, value = change.partition("=")
+        found.append((f" [{field}={value}]", dataclasses.replace(config, **{field: ast.literal_eval(value)})))
+    return found
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seed", type=int, default=None, help="default: from the clock (printed)")
@@ -227,7 +238,12 @@ def main(argv=None) -> int:
     parser.add_argument("--sanitizer-subset", action="store_true", help="the adversarial subset, for compute-sanitizer")
     parser.add_argument("--fa4-kernels", type=int, default=40, help="FA-4 kernel classes to compile (KernelCap)")
     parser.add_argument("--verbose", action="store_true", help="print every configuration")
+    parser.add_argument("--vary", action="append", default=[], metavar="FIELD=VALUE",
+                        help="with --only: then the same configuration with FIELD (a space.Config field) set to VALUE (a "
+                             "Python literal), one variant per --vary, to narrow a failure down (e.g. num_splits=1)")
     args = parser.parse_args(argv)
+    if args.vary and args.only is None:
+        parser.error("--vary needs --only")
     seed = args.seed if args.seed is not None else int(time.time()) % 100000
     head_dims, _ = ops.compiled_head_dims()
     head_dims = [d for d in head_dims if d <= 256]
@@ -242,20 +258,21 @@ def main(argv=None) -> int:
         if time.monotonic() - start > args.budget_s:
             print(f"budget of {args.budget_s:.0f} s reached", flush=True)
             break
-        config = space.draw(seed, index, head_dims, adversarial=args.sanitizer_subset)
-        outcomes = run_config(Case(config, seed), backends, cap)
-        run += 1
-        for backend, (outcome, why) in outcomes.items():
-            counts[backend][outcome] += 1
-            if outcome in ("wrong", "fault", "upstream"):
-                failures.append(f"{outcome} on {backend}: {config.form} bad={config.bad} -- {why}\n"
-                                f"    python tests/fuzz/run.py --seed {seed} --only {index}{mode}")
-            if outcome == "fault":
-                print("\n".join(failures), flush=True)
-                print("device fault: the CUDA context is lost, stopping", flush=True)
-                return 2
-        if args.verbose or args.only is not None:
-            print(f"[{index}] {config}\n    {outcomes}", flush=True)
+        drawn = space.draw(seed, index, head_dims, adversarial=args.sanitizer_subset)
+        for variant, config in variants(drawn, args.vary):
+            outcomes = run_config(Case(config, seed), backends, cap)
+            run += 1
+            for backend, (outcome, why) in outcomes.items():
+                counts[backend][outcome] += 1
+                if outcome in ("wrong", "fault", "upstream"):
+                    failures.append(f"{outcome} on {backend}: {config.form} bad={config.bad}{variant} -- {why}\n"
+                                    f"    python tests/fuzz/run.py --seed {seed} --only {index}{mode}")
+                if outcome == "fault":
+                    print("\n".join(failures), flush=True)
+                    print("device fault: the CUDA context is lost, stopping", flush=True)
+                    return 2
+            if args.verbose or args.only is not None:
+                print(f"[{index}{variant}] {config}\n    {outcomes}", flush=True)
     wall = time.monotonic() - start
     print(f"configurations run: {run} in {wall:.1f} s (seed {seed})")
     for backend, counter in counts.items():

@@ -43,6 +43,10 @@ def _capability(device_index: int) -> Tuple[int, int]:
     return torch.cuda.get_device_capability(device_index)
 
 
+def _on_sm90(q: Tensor) -> bool:
+    return q.is_cuda and _capability(q.device.index if q.device.index is not None else torch.cuda.current_device()) == (9, 0)
+
+
 def _packs_query_heads(group: int, list_heads: int, num_heads: int, q_block_size: int) -> bool:
     """The host's PackGQA choice (pack_gqa=None): the query heads of a K/V head share a tile when
     the lists are shared or per K/V head and a query block is a whole number of packed rows."""
@@ -53,7 +57,7 @@ def _packs_query_heads(group: int, list_heads: int, num_heads: int, q_block_size
 def refusal(q: Tensor, k: Tensor, blocks: SparseBlocks, *, varlen: bool, paged: bool = False,
             max_seqlen_q: Optional[int] = None) -> Optional[str]:
     """None if the FA-3 sparse kernel takes this call, else the first rule it breaks."""
-    if not q.is_cuda or _capability(q.device.index if q.device.index is not None else torch.cuda.current_device()) != (9, 0):
+    if not _on_sm90(q):
         return "the FA-3 sparse kernel runs on sm90 (H100/H200) only"
     if q.dtype not in (torch.float16, torch.bfloat16) or k.dtype != q.dtype:
         return f"the FA-3 sparse kernel takes fp16 or bf16 q and k of one dtype, got {q.dtype} and {k.dtype}"
@@ -65,6 +69,11 @@ def refusal(q: Tensor, k: Tensor, blocks: SparseBlocks, *, varlen: bool, paged: 
         return f"the FA-3 sparse kernel takes block_size {BLOCK_SIZE} only, got {blocks.block_size}"
     if blocks.is_varlen != varlen:
         return "varlen inputs need varlen lists (cu_total_m_blocks, cu_block_idx_offsets) and batched ones batched lists"
+    if blocks.mask_cnt is not None and any(a.shape != b.shape or a.stride() != b.stride() for a, b in
+                                           ((blocks.mask_cnt, blocks.full_cnt), (blocks.mask_idx, blocks.full_idx))):
+        # One set of list strides and one capacity in its parameters (e.g. the zero-copy
+        # speculative form's two tables of different lengths differ).
+        return "the FA-3 sparse kernel takes mask lists of the full lists' shape and strides"
     num_heads, num_heads_k = q.shape[-2], k.shape[-2]
     if num_heads_k == 0 or num_heads % num_heads_k:
         return f"num_heads {num_heads} must be a multiple of num_heads_k {num_heads_k}"

@@ -1,0 +1,74 @@
+"""The FA-3 backend's Python on the CPU: the host rules fa3_ops.refusal states before any op runs
+(as the C++ op would refuse them, never with its error), and the launcher's choice of fwd
+(allocates out) or fwd_out (writes the caller's out, no copy). The kernel itself: test_stage4_fa3_sparse.py."""
+
+import pytest
+import torch
+
+from flash_attn_sparse import SparseBlocks, calls
+from flash_attn_sparse.backends import fa3, fa3_ops
+
+B, SQ, SK, H, HK, D = 2, 16, 1024, 8, 2, 128
+
+
+@pytest.fixture
+def sm90(monkeypatch):
+    monkeypatch.setattr(fa3_ops, "_on_sm90", lambda q: True)
+
+
+def qkv():
+    return (torch.randn(B, SQ, H, D, dtype=torch.bfloat16), torch.randn(B, SK, HK, D, dtype=torch.bfloat16),
+            torch.randn(B, SK, HK, D, dtype=torch.bfloat16))
+
+
+def lists(width=3, mask_width=None):
+    full_cnt = torch.ones(B, HK, 1, dtype=torch.int32)
+    full_idx = torch.zeros(B, HK, 1, width, dtype=torch.int32)
+    if mask_width is None:
+        return SparseBlocks(full_cnt, full_idx, block_size=128)
+    return SparseBlocks(full_cnt, full_idx, full_cnt.clone(), torch.zeros(B, HK, 1, mask_width, dtype=torch.int32), block_size=128)
+
+
+def test_the_host_rules_are_refused_with_their_reason(sm90):
+    q, k, _ = qkv()
+    assert fa3_ops.refusal(q, k, lists(), varlen=False) is None
+    assert fa3_ops.refusal(q, k, lists(mask_width=3), varlen=False) is None
+    shared = lists()
+    assert "block_size 128 only" in fa3_ops.refusal(q, k, SparseBlocks(shared.full_cnt, shared.full_idx, block_size=64),
+                                                    varlen=False)
+    assert "head dims" in fa3_ops.refusal(q[..., :96], k[..., :96], lists(), varlen=False)
+    assert "paged" in fa3_ops.refusal(q, k, lists(), varlen=False, paged=True)
+    # The op's "mask_idx must have the shape and strides of full_idx" (fuzzer seed 3, config 46):
+    # the zero-copy speculative form's tables of two lengths are refused before the op.
+    assert "mask lists of the full lists' shape and strides" in fa3_ops.refusal(q, k, lists(mask_width=5), varlen=False)
+
+
+def test_without_sm90_the_backend_says_so():
+    q, k, _ = qkv()
+    assert "sm90" in fa3_ops.refusal(q, k, lists(), varlen=False)
+
+
+@pytest.mark.parametrize("given_out", [False, True])
+def test_the_launcher_writes_a_given_out_in_place_and_allocates_otherwise(monkeypatch, given_out):
+    q, k, v = qkv()
+    launched = []
+
+    def fwd(q, k, v, *tensors, **options):
+        launched.append(("fwd", options))
+        return torch.zeros_like(q), torch.zeros(B, H, SQ)
+
+    def fwd_out(q, k, v, out, *tensors, **options):
+        launched.append(("fwd_out", options))
+        out.fill_(1)
+        return torch.zeros(B, H, SQ)
+
+    monkeypatch.setattr(calls, "require_cuda", lambda q: None)
+    monkeypatch.setattr(fa3_ops, "op", lambda: fwd)
+    monkeypatch.setattr(fa3_ops, "op_out", lambda: fwd_out)
+    call = calls.SparseCall(q, k, v, lists(), causal=False, softmax_scale=None, num_splits=2, backend="fa3")
+    out = torch.empty_like(q) if given_out else None
+    result, lse = fa3.launcher(call, 2)(q, k, v, call.effective_blocks(), out)
+    ((name, options),) = launched
+    assert name == ("fwd_out" if given_out else "fwd") and options["num_splits"] == 2
+    if given_out:
+        assert result is out and bool((out == 1).all())
