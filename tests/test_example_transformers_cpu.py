@@ -157,9 +157,38 @@ def test_full_density_decodes_the_tokens_of_sdpa(cpu_kernel, static):
     prompt = torch.randint(0, 97, (2, 27), generator=torch.Generator().manual_seed(0))
     result = quest.compare_full_density(model, prompt, 24, block_size=16,
                                         make_cache=quest.static_cache_maker(model) if static else None)
-    assert torch.equal(result["reference"], result["quest"])
-    assert result["max_logit_diff"] < 1e-4
-    assert len(cpu_kernel.calls) == 24 * 2  # every decode step of every layer went through the lists
+    assert torch.equal(result["reference"], result["quest"]) and torch.equal(result["reference"], result["forced"])
+    assert result["max_logit_diff"] < 1e-4 and result["identical_prefix"] == 25
+    assert len(cpu_kernel.calls) == 2 * 24 * 2  # every step of every layer, free and forced, went through the lists
+
+
+@torch.no_grad()
+def test_teacher_forcing_feeds_the_given_tokens_and_records_the_models_choices():
+    """GreedyDecoder(forced=...) reads forced[:, i - 1] at step i: its logits are the model's over
+    prompt + forced tokens (one causal forward over the whole sequence gives them)."""
+    from transformers import DynamicCache
+    model = tiny_model()
+    prompt = torch.randint(0, 97, (2, 20), generator=torch.Generator().manual_seed(5))
+    forced = torch.randint(0, 97, (2, 9), generator=torch.Generator().manual_seed(6))
+    decoder = quest.GreedyDecoder(model, DynamicCache(config=model.config), prompt, keep_logits=True, forced=forced)
+    tokens, logits = decoder.decode_until(9)
+    sequence = torch.cat([prompt, forced[:, :8]], dim=1)
+    whole = model(input_ids=sequence).logits[:, prompt.shape[1] - 1:].float()
+    torch.testing.assert_close(logits, whole, atol=1e-4, rtol=1e-4)
+    assert torch.equal(tokens, whole.argmax(dim=-1))
+
+
+def test_wrong_attention_fails_the_gpu_tests_rule(cpu_kernel, monkeypatch):
+    """The GPU tests' rule (forced logits within 5% of the largest, free run identical to the first
+    near tie) holds for exact attention and fails for attention whose output is off by half."""
+    model = tiny_model()
+    prompt = torch.randint(0, 97, (2, 27), generator=torch.Generator().manual_seed(0))
+    exact = quest.compare_full_density(model, prompt, 12, block_size=16)
+    monkeypatch.setattr(quest, "flash_attn_with_sparse_block_table",
+                        lambda *args, **kwargs: (reference_sparse_attention(*args, **kwargs)[0] * 1.5, None))
+    wrong = quest.compare_full_density(model, prompt, 12, block_size=16)
+    assert exact["max_logit_diff"] < 0.05 * exact["max_abs_logit"] and exact["identical_prefix"] >= exact["first_near_tie"]
+    assert wrong["max_logit_diff"] >= 0.05 * wrong["max_abs_logit"]
 
 
 @torch.no_grad()

@@ -1,7 +1,10 @@
-"""GPU tests of examples/transformers_quest.py: with every block selected, greedy decoding through
-flash_attn_sparse gives the tokens of the model's own SDPA attention over 64 steps (eagerly on a
-DynamicCache, and replayed as a CUDA graph on a StaticCache); at 1/8 density each decode call
-equals float32 attention over the blocks it lists, with the static cache's unused rows poisoned."""
+"""GPU tests of examples/transformers_quest.py: with every block selected, decoding through
+flash_attn_sparse gives the logits of the model's own SDPA attention over 64 teacher-forced steps
+(eagerly on a DynamicCache, and replayed as a CUDA graph on a StaticCache), and free-running greedy
+decoding its tokens up to the first near tie (a step whose top-2 logits lie within twice that
+difference: a random bf16 model has them, and there a choice flips by rounding alone); at 1/8
+density each decode call equals float32 attention over the blocks it lists, with the static
+cache's unused rows poisoned."""
 
 import importlib.util
 import math
@@ -25,10 +28,15 @@ def model():
     return quest.build_model(hidden=1024, layers=4, vocab=32000, max_positions=4096)
 
 
-def report(label, result):
-    print(f"\n{label}: max |logit diff| {result['max_logit_diff']:.4g} over {STEPS} steps "
-          f"(max |logit| {result['max_abs_logit']:.3g}, smallest top-2 margin of the reference "
-          f"{result['min_reference_margin']:.3g})")
+def report(label, result, steps=STEPS):
+    print(f"\n{label}: {quest.describe(result, steps)}")
+
+
+def assert_same_decoding(result):
+    """Teacher-forced logits within 5% of the largest logit (bf16 attention, 4 layers); the free
+    run identical at least until the first near tie (else the attention, not rounding, parted it)."""
+    assert result["max_logit_diff"] < 0.05 * result["max_abs_logit"], result["max_logit_diff"]
+    assert result["identical_prefix"] >= result["first_near_tie"], (result["reference"], result["quest"])
 
 
 @pytest.mark.gpu
@@ -37,8 +45,7 @@ def test_every_block_decodes_the_tokens_of_sdpa(model, backend):
     prompt = torch.randint(0, 32000, (2, 350), device="cuda", generator=torch.Generator("cuda").manual_seed(0))
     result = quest.compare_full_density(model, prompt, STEPS, block_size=128, backend=backend)
     report(f"DynamicCache, eager, backend={backend}", result)
-    assert torch.equal(result["reference"], result["quest"]), (result["reference"], result["quest"])
-    assert result["max_logit_diff"] < 0.05 * result["max_abs_logit"]
+    assert_same_decoding(result)
 
 
 @pytest.mark.gpu
@@ -47,8 +54,7 @@ def test_every_block_decodes_the_tokens_of_sdpa_in_a_cuda_graph(model):
     result = quest.compare_full_density(model, prompt, STEPS, block_size=64, backend="fa2",
                                         make_cache=quest.static_cache_maker(model), graphed=True)
     report("StaticCache + CUDA graph, block 64", result)
-    assert torch.equal(result["reference"], result["quest"]), (result["reference"], result["quest"])
-    assert result["max_logit_diff"] < 0.05 * result["max_abs_logit"]
+    assert_same_decoding(result)
 
 
 def attention_over_lists(q, k, v, blocks, seqused_k, scale):
@@ -106,18 +112,10 @@ def test_sparse_decode_equals_attention_over_its_lists(model, monkeypatch):
 
 
 @pytest.mark.gpu
-@torch.no_grad()
 def test_dense_baseline_in_a_cuda_graph_decodes_the_tokens_of_sdpa(model):
     """The benchmark's dense baseline (SDPA over a StaticCache masked by position), graphed."""
-    from transformers import DynamicCache, StaticCache
     prompt = torch.randint(0, 32000, (2, 300), device="cuda", generator=torch.Generator("cuda").manual_seed(3))
-    model.set_attn_implementation("sdpa")
-    reference = quest.GreedyDecoder(model, DynamicCache(config=model.config), prompt)
-    ref_tokens, _ = reference.decode_until(33)
-    quest.register_attention_functions()
-    model.set_attn_implementation(quest.DENSE_ATTENTION)
-    dense = quest.GreedyDecoder(model, StaticCache(config=model.config, max_cache_len=384), prompt)
-    dense.capture()
-    tokens, _ = dense.decode_until(33)
-    model.set_attn_implementation("sdpa")
-    assert torch.equal(tokens, ref_tokens), (tokens, ref_tokens)
+    result = quest.compare_full_density(model, prompt, 32, attention=quest.DENSE_ATTENTION,
+                                        make_cache=quest.static_cache_maker(model), graphed=True)
+    report("dense baseline, StaticCache + CUDA graph", result, steps=32)
+    assert_same_decoding(result)
