@@ -112,13 +112,16 @@ def fa3_mutation(session) -> str:
 
 def sanitize(session) -> str:
     log = session.logs / "sanitize.log"
-    session.run([PY, "tests/sanitize.py"], output=log, timeout=300)
+    session.run([PY, "tests/sanitize.py", "--raw", session.logs], output=log, timeout=300)
     return "sanitize: " + ";".join(session.read(log).splitlines())
 
 
 def sanitize_fuzz(session) -> str:
     log = session.logs / "sanitize-fuzz.log"
-    session.run([PY, "tests/sanitize.py", "--fuzz-subset", str(session.options.sanitize_fuzz_count)], output=log, timeout=420)
+    raw = session.logs / "sanitize-fuzz"
+    session.act(f"make {raw}", raw.mkdir, 0o755, True, True)
+    session.run([PY, "tests/sanitize.py", "--fuzz-subset", str(session.options.sanitize_fuzz_count), "--raw", raw], output=log,
+                timeout=420)
     return "sanitize fuzz subset: " + ";".join(line for line in session.read(log).splitlines() if "fuzz cases" in line or "clean" in line
                                                or "ERRORS" in line)
 
