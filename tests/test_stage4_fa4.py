@@ -49,6 +49,27 @@ def test_batched_lists_pass_as_views_with_a_broadcast_zero_mask_count(monkeypatc
     assert (mask_cnt == 0).all()
 
 
+def test_fa4_refuses_what_it_would_answer_wrongly(monkeypatch):
+    """Two wrong answers of the GPU fuzzer (seed 3) are refusals now, from shapes: seqused_k on a
+    fixed-length call (flash-attn-4's flash_attn_func takes none, so its kernel attended to every
+    key up to k's length: configs 26, 33, 718) and list rows wider than the K/V's block count
+    (flash-attn-4 takes at most one entry per block, and the row cut there dropped blocks listed
+    after skipped ids: configs 307, 1248, 1519). auto then runs FA-2."""
+    from flash_attn_sparse import calls, interface
+    monkeypatch.setattr(fa4, "unsupported_reason", lambda *args, **kwargs: None)  # as on an SM90 with the runtime
+    monkeypatch.setattr(calls, "require_cuda", lambda q: None)
+    q, k, v = (torch.zeros(shape, dtype=torch.bfloat16) for shape in ((2, 16, 8, 128), (2, 1000, 2, 128), (2, 1000, 2, 128)))
+
+    def call(width, **options):
+        blocks = SparseBlocks(torch.ones(2, 2, 1, dtype=torch.int32), torch.zeros(2, 2, 1, width, dtype=torch.int32))
+        return calls.SparseCall(q, k, v, blocks, causal=False, softmax_scale=None, **options)
+
+    assert fa4.refusal(call(8)) is None  # 1000 keys: 8 blocks of 128
+    assert fa4.refusal(call(8, seqused_k=torch.tensor([131, 1000], dtype=torch.int32))) == fa4.SEQUSED_K_UNSUPPORTED
+    assert "list rows of 9 entries for 8 K/V blocks" in fa4.refusal(call(9))
+    assert interface.choose(call(9, backend="auto"))[0] == "fa2"
+
+
 def _unpacked_gqa_lists():
     """Per-query-head full lists (16 heads over 4 K/V heads), 3 query tiles, no mask lists."""
     cnt = torch.randint(0, 4, (1, 16, 3), dtype=torch.int32)
@@ -327,6 +348,35 @@ def test_bad_lists_skip_like_fa2(seqlen_q, heads, heads_k, num_splits, seqlen_k)
     visible = visibility_from_lists([[r] for r in valid], [[[]] for _ in valid], 128, blocks.resolved_q_block_size(seqlen_q),
                                     seqlen_q, seqlen_k, heads, causal=False, device="cuda")
     assert_close_to_reference(out, lse, q, k, v, visible)
+
+
+@pytest.mark.gpu
+@pytest.mark.sm90
+def test_seqused_k_inside_a_block_and_rows_wider_than_the_keys_answer_right_on_auto():
+    """The fuzzer's two fa4 defects on the GPU: seqused_k ending inside listed blocks (131 keys
+    of a 1000-key cache: inside block 1) and a row of 10 entries over 8 blocks whose valid ids
+    follow skipped ones; backend="fa4" refuses both, auto answers as the reference."""
+    _needs_fa4()
+    g = torch.Generator(device="cuda").manual_seed(21)
+    q, k, v = random_qkv(2, 16, 1000, 8, 2, 128, torch.bfloat16, generator=g)
+    seqused = torch.tensor([131, 1000], dtype=torch.int32, device="cuda")
+    rows = [[1, 0, 7], [7, 2, 5]]
+    blocks = SparseBlocks.from_lists([[[row]] * 2 for row in rows], device="cuda")
+    with pytest.raises(SparseInputError, match="seqused_k"):
+        fas.flash_attn_with_sparse_block_table(q, k, v, blocks, backend="fa4", seqused_k=seqused)
+    out, lse = fas.flash_attn_with_sparse_block_table(q, k, v, blocks, seqused_k=seqused)
+    visible = torch.stack([visibility_from_lists([[row]] * 2, [[[]]] * 2, 128, 128, 16, 1000, 8, causal=False,
+                                                 device="cuda") for row in rows])
+    visible &= (torch.arange(1000, device="cuda") < seqused.view(2, 1, 1, 1))
+    assert_close_to_reference(out, lse, q, k, v, visible)
+
+    wide = torch.tensor([20, -1, 3, 0, 5, 99, 2, 1, 7, 6], dtype=torch.int32, device="cuda")  # 1-D: every row
+    with pytest.raises(SparseInputError, match="list rows of 10 entries for 8 K/V blocks"):
+        fas.flash_attn_with_sparse_block_table(q, k, v, wide, backend="fa4")
+    out, lse = fas.flash_attn_with_sparse_block_table(q, k, v, wide)
+    valid = [3, 0, 5, 2, 1, 7, 6]
+    visible = visibility_from_lists([[valid]] * 8, [[[]]] * 8, 128, 128, 16, 1000, 8, causal=False, device="cuda")
+    assert_close_to_reference(out, lse, q, k, v, visible.unsqueeze(0).expand(2, -1, -1, -1))
 
 
 @pytest.mark.gpu

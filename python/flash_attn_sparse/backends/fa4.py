@@ -15,7 +15,8 @@ combine kernel merges them.
 
 What it cannot run (`refusal` says why): GPUs other than SM90, head dims above 128,
 logical block sizes other than 64 and 128 (its SM90 tile_n must equal the block size), varlen
-query tiles other than 64 and 128 rows, paged K/V.
+query tiles other than 64 and 128 rows, paged K/V, seqused_k on fixed-length calls, and batched
+list rows wider than the K/V's block count.
 """
 
 import functools
@@ -187,12 +188,35 @@ def call_entry(call, splits: int) -> Tuple:
 
 # --- the backend protocol (backends/__init__.py) ----------------------------------------------
 
+# Fixed-length calls go to flash_attn.cute's flash_attn_func, which takes no seqused_k: its kernel
+# would attend to every key up to k's length (fuzzer seed 3, configs 26, 33, 718: wrong answers).
+SEQUSED_K_UNSUPPORTED = "seqused_k on a fixed-length call (flash-attn-4's flash_attn_func takes none)"
+
+
+def wider_than_the_keys(call) -> Optional[str]:
+    """Why a batched call's list rows cannot go to flash-attn-4, or None: it takes rows of at most
+    one entry per K/V block, and cutting a row there could drop listed blocks that follow
+    skipped (out-of-range) ids (fuzzer seed 3, configs 307, 1248, 1519)."""
+    if call.varlen:
+        return None
+    blocks = call.effective_blocks()
+    n_blocks = cdiv(call.max_seqlen_k, blocks.block_size)
+    # Mask lists read from a second K/V source (the speculative one-launch form) count its blocks.
+    mask_keys = call.mask_source[0].shape[1] if call.mask_source is not None else call.max_seqlen_k
+    for idx, limit in ((blocks.full_idx, n_blocks), (blocks.mask_idx, cdiv(mask_keys, blocks.block_size))):
+        if idx is not None and idx.shape[-1] > limit:
+            return f"list rows of {idx.shape[-1]} entries for {limit} K/V blocks (flash-attn-4 takes at most one per block)"
+    return None
+
+
 def refusal(call) -> Optional[str]:
     """Why this backend cannot run `call` (a calls.SparseCall), or None. Shapes only: never syncs."""
     if call.varlen and call.requested_splits > 1:
         return SPLIT_KV_UNSUPPORTED
+    if not call.varlen and call.seqused_k is not None:
+        return SEQUSED_K_UNSUPPORTED
     return unsupported_reason(call.q, call.blocks, max_seqlen_q=call.max_seqlen_q, varlen=call.varlen,
-                              paged=call.page_table is not None)
+                              paged=call.page_table is not None) or wider_than_the_keys(call)
 
 
 def num_splits(call) -> int:
