@@ -295,3 +295,44 @@ def test_a_fa2_plan_runs_the_extensions_planned_forward(fake_gpu, monkeypatch):
     with pytest.raises(SparseInputError, match="^k: must be a tensor"):
         plan.run(q2, None, v2)
     assert len(runs) == 1
+
+
+def test_a_fa3_plan_runs_the_extensions_planned_forward(fake_gpu, monkeypatch):
+    """On fa3 a plan makes the op's SparseForward once with every argument by name (fwd_out's) and
+    each run passes only q, k, v and out; an out of other strides goes through fwd_out instead,
+    and tensors the planned forward refuses are named by the plan's own check."""
+    from flash_attn_sparse.backends import fa3, fa3_ops
+    made, runs, outs = [], [], []
+
+    class FakeSparseForward:
+        def __init__(self, **kwargs):
+            made.append(kwargs)
+            self.planned = [(t.shape, t.stride(), t.dtype) for t in (kwargs["q"], kwargs["k"], kwargs["v"], kwargs["out"])]
+
+        def run(self, q, k, v, out):
+            if [(t.shape, t.stride(), t.dtype) for t in (q, k, v, out)] != self.planned:
+                raise RuntimeError("SparseForward.run: q, k, v and out must have the planned shapes and strides")
+            runs.append((q, k, v, out))
+            return torch.zeros(q.shape[0], q.shape[2], q.shape[1])
+
+    def fwd_out(q, k, v, out, *tensors, **options):
+        outs.append(out)
+        return torch.zeros(q.shape[0], q.shape[2], q.shape[1])
+
+    monkeypatch.setattr(fa3, "refusal", lambda call: None)  # no SM90 here
+    monkeypatch.setattr(fa3_ops, "planner", lambda: FakeSparseForward)
+    monkeypatch.setattr(fa3_ops, "op_out", lambda: fwd_out)
+    monkeypatch.setattr(fa3_ops, "op", lambda: None)
+    q, k, v = qkv()
+    plan = fas.SparsePlan(q, k, v, torch.tensor([0, 3], dtype=torch.int32), block_size=128, backend="fa3", num_splits=2)
+    (args,) = made
+    assert args["out"] is plan.out and args["num_splits"] == 2 and args["full_idx"].shape[-1] == 2
+    assert {"mask_cnt", "cu_seqlens_q", "softmax_scale", "q_block_size", "pack_gqa"} <= args.keys()
+    q2, k2, v2 = qkv()
+    out, _ = plan.run(q2, k2, v2)
+    assert runs[-1] == (q2, k2, v2, plan.out) and out is plan.out
+    strided = torch.empty(B, H, SQ, D, dtype=q.dtype).transpose(1, 2)
+    result, _ = plan.run(q2, k2, v2, out=strided)
+    assert result is strided and outs == [strided] and len(runs) == 1
+    with pytest.raises(SparseInputError, match="^v: the plan was made for shape"):
+        plan.run(q2, k2, v2[:, :7])

@@ -444,7 +444,7 @@ def test_fa3_under_torch_compile_fullgraph_and_in_a_plan_replayed_as_a_cuda_grap
     assert torch.equal(eager[0], compiled[0]) and torch.equal(eager[1], compiled[1])
 
     plan = fas.plan(q, k, v, blocks, backend="fa3")
-    assert plan.backend == "fa3"
+    assert plan.backend == "fa3" and plan._planned is not None  # the extension's SparseForward (fa3.planned)
     plan.run(q, k, v)
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
@@ -455,3 +455,27 @@ def test_fa3_under_torch_compile_fullgraph_and_in_a_plan_replayed_as_a_cuda_grap
     graph.replay()
     want = fas.flash_attn_with_sparse_block_table(q, k, v, blocks, backend="fa3")
     assert torch.equal(graphed_out, want[0]) and torch.equal(graphed_lse, want[1])
+
+
+@pytest.mark.parametrize("num_splits,causal", [(3, False), (1, True), (1, False)])
+def test_a_planned_forward_reruns_bitwise_like_the_op(num_splits, causal):
+    """The extension's SparseForward (a plan's run) over the split path (no tile counter) and the
+    persistent scheduler's (its counter zeroed by each run, else the second run would find it
+    spent and skip tiles): run twice, each bitwise the op's answer."""
+    import flash_attn_sparse as fas
+    from flash_attn_sparse import SparseBlocks
+    g = torch.Generator(device="cuda").manual_seed(13 + num_splits + causal)
+    q, k, v = random_qkv(2, 300, 3000, 8, 2, 128, torch.bfloat16, generator=g)
+    rng = random.Random(num_splits)
+    rows = [[[[b for b in gapped_permuted(rng, 24, 0.5, must=[23]) if b != m] for m in range(3)] for _ in range(2)]
+            for _ in range(2)]
+    diagonal = [[[[m] for m in range(3)] for _ in range(2)] for _ in range(2)]
+    blocks = SparseBlocks.from_lists(rows, diagonal, block_size=BLOCK, q_block_size=128, device="cuda")
+    want = fas.flash_attn_with_sparse_block_table(q, k, v, blocks, backend="fa3", causal=causal, num_splits=num_splits)
+    plan = fas.plan(q, k, v, blocks, backend="fa3", causal=causal, num_splits=num_splits)
+    assert plan._planned is not None
+    for _ in range(2):
+        plan.out.fill_(float("nan"))
+        out, lse = plan.run(q, k, v)
+        torch.cuda.synchronize()
+        assert torch.equal(out, want[0]) and torch.equal(lse, want[1])

@@ -9,7 +9,7 @@ import torch
 from torch import Tensor
 
 from . import ops
-from .backends import BACKENDS, fa2, fa4
+from .backends import BACKENDS, fa2, fa3, fa4
 from .calls import BlockTable, SparseCall, as_blocks, check_out
 from .interface import Decision, facts
 from .metadata import fail
@@ -29,8 +29,9 @@ class SparsePlan:
     pages), and the next run sees them. On the FA-2 backend the extension's SparseForward holds
     the checked parameters and the LSE and split buffers, and run only swaps in q, k, v and out
     and launches (no argument parsing, no allocation, no host sync; capturable in a CUDA graph);
-    its lse is the plan's buffer, overwritten by the next run, like the default out. On FA-3 run
-    calls the op's overload with its arguments bound (backends/fa3.launcher). On the FA-4
+    its lse is the plan's buffer, overwritten by the next run, like the default out. On FA-3 the
+    same with the extension's SparseForward (backends/fa3.planned; a build without it calls
+    the op's overload with its arguments bound, backends/fa3.launcher). On the FA-4
     backend a batched plan converts the lists to flash-attn-4's block-sparse tensors (views)
     once and run calls flash-attn-4's forward (its own Python dispatch and compile-cache lookup
     remain, and it allocates its output, copied into out); a varlen FA-4 plan converts its lists
@@ -68,7 +69,8 @@ class SparsePlan:
         elif self.backend == "fa4":
             if not call.varlen:  # flash-attn-4's block-sparse tensors: views of the lists, converted once
                 self._fa4_entry = fa4.call_entry(call, self.num_splits)
-        else:
+        else:  # fa3: the extension's planned forward, and the op's launcher for an out of other strides
+            self._planned = fa3.planned(call, self.num_splits, self.out)
             self._launch = BACKENDS[self.backend].launcher(call, self.num_splits)
             self._launch_tensors = dict(cu_seqlens_q=call.cu_seqlens_q, cu_seqlens_k=call.cu_seqlens_k,
                                         seqused_k=call.seqused_k, page_table=call.page_table)
@@ -92,6 +94,8 @@ class SparsePlan:
             check_out(out, q)  # names what differs; an out of other strides but a contiguous last dim runs
             if self._extension_args is not None:  # the planned forward holds the planned out's strides
                 return out, ops.launch_direct(dict(self._extension_args, q=q, k=k, v=v), out)
+            if self._launch is not None:
+                return self._launch(q, k, v, self.blocks, out, **self._launch_tensors)
         if self._planned is not None:
             return out, self._planned.run(q, k, v, out)
         if self._launch is not None:

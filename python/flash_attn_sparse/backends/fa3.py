@@ -52,6 +52,23 @@ def launcher(call, splits: int) -> Callable:
     return launch
 
 
+def planned(call, splits: int, out: Tensor):
+    """The extension's SparseForward for this call into `out`, made once (a plan's: run(q, k, v,
+    out) only launches), or None for a build without it."""
+    planner = fa3_ops.planner()
+    if planner is None:
+        return None
+    blocks = call.effective_blocks()
+    bound = fa3_ops.static_args(call.q, blocks, softmax_scale=call.scale, causal=call.causal, num_splits=splits,
+                                max_seqlen_q=call.max_seqlen_q if call.varlen else None,
+                                max_seqlen_k=call.max_seqlen_k if call.varlen else None)
+    return planner(q=call.q, k=call.k, v=call.v, out=out, full_cnt=blocks.full_cnt, full_idx=blocks.full_idx,
+                   mask_cnt=blocks.mask_cnt, mask_idx=blocks.mask_idx, cu_total_m_blocks=blocks.cu_total_m_blocks,
+                   cu_block_idx_offsets=blocks.cu_block_idx_offsets,
+                   cu_seqlens_q=call.cu_seqlens_q if call.varlen else None,
+                   cu_seqlens_k=call.cu_seqlens_k if call.varlen else None, **bound)
+
+
 def run(call, splits: int, out: Optional[Tensor] = None) -> Tuple[Tensor, Tensor]:
     """(out, lse); a given `out` is written in place."""
     varlen = call.varlen

@@ -98,6 +98,15 @@ def op_out():
     return torch.ops.flash_attn_3_sparse.fwd_out.default
 
 
+def planner():
+    """The extension's class SparseForward (fwd_out's arguments by name, checked once; its
+    run(q, k, v, out) launches and returns the LSE), or None for a build without it."""
+    try:
+        return torch.classes.flash_attn_3_sparse.SparseForward
+    except (AttributeError, RuntimeError):  # torch.classes raises RuntimeError for an unknown class
+        return None
+
+
 def static_args(q: Tensor, blocks: SparseBlocks, *, softmax_scale: Optional[float] = None, causal: bool = False,
                 num_splits: int = 1, pack_gqa: Optional[bool] = None, max_seqlen_q: Optional[int] = None,
                 max_seqlen_k: Optional[int] = None) -> dict:

@@ -1,8 +1,9 @@
 /******************************************************************************
- * Host entry points of the sparse SM90 forward: flash_attn_3_sparse::fwd (allocates out) and
- * fwd_out (writes a given out), attention of each (batch, table head, query tile) over the K/V
- * blocks its lists name (the project's sparse contract, flash_attn_sparse/metadata.py),
- * split-KV partials merged by flash_fwd_combine.
+ * Host entry points of the sparse SM90 forward: flash_attn_3_sparse::fwd (allocates out),
+ * fwd_out (writes a given out) and the class SparseForward (planned once, run many times),
+ * attention of each (batch, table head, query tile) over the K/V blocks its lists name (the
+ * project's sparse contract, flash_attn_sparse/metadata.py), split-KV partials merged by
+ * flash_fwd_combine.
  *
  * The Python layer validates the lists' contents; here are the cheap checks (dtypes, shapes,
  * strides) and the kernels stay memory safe on bad contents (sparse_block_list.h).
@@ -11,6 +12,7 @@
 #include <c10/cuda/CUDAStream.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <ATen/ATen.h>
+#include <torch/custom_class.h>
 #include <torch/library.h>
 #include <cutlass/numeric_types.h>
 
@@ -95,8 +97,18 @@ int auto_num_splits(int num_tiles, int num_sm, int max_list_blocks) {
 
 }  // namespace
 
-// The forward into `out` (like q, contiguous last dimension); returns the LSE.
-at::Tensor mha_fwd_sparse_into(
+// One checked sparse forward: its parameters and buffers (the LSE, the split partials, the tile
+// counter of the persistent scheduler), made by prepare_sparse and run by launch_sparse.
+struct SparseLaunch {
+    Flash_fwd_params params;
+    at::Tensor softmax_lse, out_accum, lse_accum, tile_count_semaphore;
+    bool no_queries = false, no_keys = false;
+};
+
+namespace {
+
+// Checks every argument and fills the parameters for `out` (like q, contiguous last dimension).
+SparseLaunch prepare_sparse(
         at::Tensor q, at::Tensor k, at::Tensor v, at::Tensor out,
         at::Tensor full_cnt, at::Tensor full_idx,
         c10::optional<at::Tensor> mask_cnt, c10::optional<at::Tensor> mask_idx,
@@ -167,16 +179,16 @@ at::Tensor mha_fwd_sparse_into(
     TORCH_CHECK(out.scalar_type() == q_type && out.device() == q.device() && out.sizes() == q.sizes() && (out.numel() == 0 || out.stride(-1) == 1),
                 "out must be like q (dtype, device, shape) with a contiguous last dimension");
     auto opts = q.options();
-    at::Tensor softmax_lse = varlen ? at::empty({num_heads, total_q}, opts.dtype(at::kFloat))
-                                    : at::empty({batch_size, num_heads, seqlen_q}, opts.dtype(at::kFloat));
-    if (total_q == 0) { return softmax_lse; }
-    if (total_k == 0) {  // no keys at all: the empty-list result everywhere
-        out.zero_();
-        softmax_lse.fill_(-std::numeric_limits<float>::infinity());
-        return softmax_lse;
-    }
+    SparseLaunch launch;
+    launch.softmax_lse = varlen ? at::empty({num_heads, total_q}, opts.dtype(at::kFloat))
+                                : at::empty({batch_size, num_heads, seqlen_q}, opts.dtype(at::kFloat));
+    launch.no_queries = total_q == 0;
+    launch.no_keys = total_k == 0;  // the empty-list result everywhere
+    if (launch.no_queries || launch.no_keys) { return launch; }
+    at::Tensor &softmax_lse = launch.softmax_lse;
 
-    Flash_fwd_params params;
+    Flash_fwd_params &params = launch.params;
+    params = {};
     auto round_up = [](int x, int m) { return (x + m - 1) / m * m; };
     set_params_fprop(params, batch_size, seqlen_q, seqlen_k, round_up(seqlen_q, 128), round_up(seqlen_k, 128),
                      num_heads, num_heads_k, head_size, head_size, q, k, v, out,
@@ -225,7 +237,7 @@ at::Tensor mha_fwd_sparse_into(
     TORCH_CHECK(params.num_splits == 1, "This flash attention build does not support splits.");
 #endif
 
-    at::Tensor out_accum, lse_accum;
+    at::Tensor &out_accum = launch.out_accum, &lse_accum = launch.lse_accum;
     if (params.num_splits > 1) {
         out_accum = varlen ? at::empty({params.num_splits, num_heads, total_q, head_size}, opts.dtype(at::kFloat))
                            : at::empty({params.num_splits, batch_size, num_heads, seqlen_q, head_size}, opts.dtype(at::kFloat));
@@ -244,22 +256,108 @@ at::Tensor mha_fwd_sparse_into(
         params.lseaccum_split_stride = lse_accum.stride(0);
         params.lseaccum_head_stride = lse_accum.stride(-2);
     }
-    // The sparse path's persistent scheduler takes tiles from a zeroed counter; split calls of
-    // fixed length run one tile per CTA (UsePersistentScheduler in the launch template) and need
-    // none, which spares a decode call an allocation and a memset launch. No dynamic splits.
-    at::Tensor tile_count_semaphore;
+    // The sparse path's persistent scheduler takes tiles from a counter zeroed before each launch
+    // (launch_sparse); split calls of fixed length run one tile per CTA (UsePersistentScheduler in
+    // the launch template) and need none. No dynamic splits.
     bool const scheduler_needs_semaphore = !(params.num_splits > 1 && !varlen);
-    if (scheduler_needs_semaphore) { tile_count_semaphore = at::zeros({1}, opts.dtype(at::kInt)); }
-    params.tile_count_semaphore = scheduler_needs_semaphore ? tile_count_semaphore.data_ptr<int>() : nullptr;
+    if (scheduler_needs_semaphore) { launch.tile_count_semaphore = at::empty({1}, opts.dtype(at::kInt)); }
+    params.tile_count_semaphore = scheduler_needs_semaphore ? launch.tile_count_semaphore.data_ptr<int>() : nullptr;
     params.num_splits_dynamic_ptr = nullptr;
-
-    auto stream = c10::cuda::getCurrentCUDAStream().stream();
-    run_sparse(params, stream);
-    if (params.num_splits > 1) {
-        run_mha_fwd_combine(params, stream, false /*enable_pdl*/);
-    }
-    return softmax_lse;
+    return launch;
 }
+
+// Runs a prepared forward into `out` (the tensor prepare_sparse or the last set_outputs saw).
+void launch_sparse(SparseLaunch &launch, at::Tensor &out) {
+    if (launch.no_queries) { return; }
+    if (launch.no_keys) {
+        out.zero_();
+        launch.softmax_lse.fill_(-std::numeric_limits<float>::infinity());
+        return;
+    }
+    auto stream = c10::cuda::getCurrentCUDAStream().stream();
+    if (launch.params.tile_count_semaphore != nullptr) {
+        C10_CUDA_CHECK(cudaMemsetAsync(launch.params.tile_count_semaphore, 0, sizeof(int), stream));
+    }
+    run_sparse(launch.params, stream);
+    if (launch.params.num_splits > 1) {
+        run_mha_fwd_combine(launch.params, stream, false /*enable_pdl*/);
+    }
+}
+
+}  // namespace
+
+// The forward into `out` (like q, contiguous last dimension); returns the LSE.
+at::Tensor mha_fwd_sparse_into(
+        at::Tensor q, at::Tensor k, at::Tensor v, at::Tensor out,
+        at::Tensor full_cnt, at::Tensor full_idx,
+        c10::optional<at::Tensor> mask_cnt, c10::optional<at::Tensor> mask_idx,
+        c10::optional<at::Tensor> cu_total_m_blocks, c10::optional<at::Tensor> cu_block_idx_offsets,
+        c10::optional<at::Tensor> cu_seqlens_q, c10::optional<at::Tensor> cu_seqlens_k,
+        c10::optional<int64_t> max_seqlen_q, c10::optional<int64_t> max_seqlen_k,
+        double softmax_scale, int64_t block_size, int64_t q_block_size, bool causal,
+        int64_t num_splits, c10::optional<bool> pack_gqa) {
+    c10::cuda::CUDAGuard device_guard{q.device()};
+    SparseLaunch launch = prepare_sparse(q, k, v, out, full_cnt, full_idx, mask_cnt, mask_idx, cu_total_m_blocks,
+                                         cu_block_idx_offsets, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                                         softmax_scale, block_size, q_block_size, causal, num_splits, pack_gqa);
+    launch_sparse(launch, out);
+    return launch.softmax_lse;
+}
+
+// A sparse forward planned once (a plan's): every check, the parameters and the buffers at
+// construction; run swaps in q, k, v and out, laid out as planned, and launches. The lists,
+// offsets and cu_seqlens are the caller's tensors, read at every run; the LSE is the plan's
+// buffer, overwritten by the next run.
+class SparseForward : public torch::CustomClassHolder {
+public:
+    SparseForward(at::Tensor q, at::Tensor k, at::Tensor v, at::Tensor out, at::Tensor full_cnt, at::Tensor full_idx,
+                  c10::optional<at::Tensor> mask_cnt, c10::optional<at::Tensor> mask_idx,
+                  c10::optional<at::Tensor> cu_total_m_blocks, c10::optional<at::Tensor> cu_block_idx_offsets,
+                  c10::optional<at::Tensor> cu_seqlens_q, c10::optional<at::Tensor> cu_seqlens_k,
+                  c10::optional<int64_t> max_seqlen_q, c10::optional<int64_t> max_seqlen_k, double softmax_scale,
+                  int64_t block_size, int64_t q_block_size, bool causal, int64_t num_splits,
+                  c10::optional<bool> pack_gqa)
+        : device_(q.device()), dtype_(q.scalar_type()), q_sizes_(q.sizes().vec()), q_strides_(q.strides().vec()),
+          k_sizes_(k.sizes().vec()), k_strides_(k.strides().vec()), v_strides_(v.strides().vec()),
+          out_strides_(out.strides().vec()) {
+        c10::cuda::CUDAGuard device_guard{q.device()};
+        launch_ = prepare_sparse(q, k, v, out, full_cnt, full_idx, mask_cnt, mask_idx, cu_total_m_blocks,
+                                 cu_block_idx_offsets, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                                 softmax_scale, block_size, q_block_size, causal, num_splits, pack_gqa);
+        lists_ = {full_cnt, full_idx};  // kept alive: the parameters point into them
+        for (auto const &t : {mask_cnt, mask_idx, cu_total_m_blocks, cu_block_idx_offsets, cu_seqlens_q, cu_seqlens_k}) {
+            if (t.has_value()) { lists_.push_back(*t); }
+        }
+    }
+
+    at::Tensor run(at::Tensor q, at::Tensor k, at::Tensor v, at::Tensor out) {
+        // The parameters hold the planned strides: the tensors must be laid out as planned.
+        TORCH_CHECK(q.scalar_type() == dtype_ && k.scalar_type() == dtype_ && v.scalar_type() == dtype_
+                    && out.scalar_type() == dtype_, "SparseForward.run: q, k, v and out must have the planned dtype");
+        TORCH_CHECK(q.device() == device_ && k.device() == device_ && v.device() == device_ && out.device() == device_,
+                    "SparseForward.run: q, k, v and out must be on the planned device");
+        TORCH_CHECK(q.sizes() == at::IntArrayRef(q_sizes_) && q.strides() == at::IntArrayRef(q_strides_)
+                    && k.sizes() == at::IntArrayRef(k_sizes_) && v.sizes() == at::IntArrayRef(k_sizes_)
+                    && k.strides() == at::IntArrayRef(k_strides_) && v.strides() == at::IntArrayRef(v_strides_)
+                    && out.sizes() == at::IntArrayRef(q_sizes_) && out.strides() == at::IntArrayRef(out_strides_),
+                    "SparseForward.run: q, k, v and out must have the planned shapes and strides");
+        c10::cuda::CUDAGuard device_guard{device_};
+        Flash_fwd_params &params = launch_.params;
+        params.q_ptr = q.data_ptr();
+        params.k_ptr = k.data_ptr();
+        params.v_ptr = v.data_ptr();
+        params.o_ptr = out.data_ptr();
+        launch_sparse(launch_, out);
+        return launch_.softmax_lse;
+    }
+
+private:
+    c10::Device device_;
+    at::ScalarType dtype_;
+    std::vector<int64_t> q_sizes_, q_strides_, k_sizes_, k_strides_, v_strides_, out_strides_;
+    SparseLaunch launch_;
+    std::vector<at::Tensor> lists_;
+};
 
 std::tuple<at::Tensor, at::Tensor> mha_fwd_sparse(
         at::Tensor q, at::Tensor k, at::Tensor v,
@@ -311,6 +409,21 @@ at::Tensor mha_fwd_sparse_into_meta(
 }  // namespace
 
 TORCH_LIBRARY(flash_attn_3_sparse, m) {
+    m.class_<SparseForward>("SparseForward")
+        .def(torch::init<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor,
+                         c10::optional<at::Tensor>, c10::optional<at::Tensor>, c10::optional<at::Tensor>,
+                         c10::optional<at::Tensor>, c10::optional<at::Tensor>, c10::optional<at::Tensor>,
+                         c10::optional<int64_t>, c10::optional<int64_t>, double, int64_t, int64_t, bool, int64_t,
+                         c10::optional<bool>>(),
+             "A sparse forward planned once (fwd_out's arguments, by name); run(q, k, v, out) launches it",
+             {torch::arg("q"), torch::arg("k"), torch::arg("v"), torch::arg("out"), torch::arg("full_cnt"),
+              torch::arg("full_idx"), torch::arg("mask_cnt"), torch::arg("mask_idx"), torch::arg("cu_total_m_blocks"),
+              torch::arg("cu_block_idx_offsets"), torch::arg("cu_seqlens_q"), torch::arg("cu_seqlens_k"),
+              torch::arg("max_seqlen_q"), torch::arg("max_seqlen_k"), torch::arg("softmax_scale"),
+              torch::arg("block_size"), torch::arg("q_block_size"), torch::arg("causal"), torch::arg("num_splits"),
+              torch::arg("pack_gqa")})
+        .def("run", &SparseForward::run, "Launch over q, k, v into out; returns the plan's LSE",
+             {torch::arg("q"), torch::arg("k"), torch::arg("v"), torch::arg("out")});
     m.def("fwd(Tensor q, Tensor k, Tensor v, Tensor full_cnt, Tensor full_idx, Tensor? mask_cnt, Tensor? mask_idx, "
           "Tensor? cu_total_m_blocks, Tensor? cu_block_idx_offsets, Tensor? cu_seqlens_q, Tensor? cu_seqlens_k, "
           "int? max_seqlen_q, int? max_seqlen_k, *, float softmax_scale, int block_size=128, int q_block_size=128, "
