@@ -222,17 +222,22 @@ def eager_and_host(fn):
     except Exception as error:  # the graph-replay ms stands; this column is NaN
         failed.append(f"eager timing failed: {type(error).__name__}: {str(error)[:100]}")
     try:
-        samples = []
-        for _ in range(HOST_CALLS):
-            torch.cuda.synchronize()
-            start = time.perf_counter()
-            fn()
-            samples.append(time.perf_counter() - start)
-        torch.cuda.synchronize()
-        host_us = statistics.median(samples) * 1e6
+        host_us = host_us_after_sync(fn)
     except Exception as error:
         failed.append(f"host timing failed: {type(error).__name__}: {str(error)[:100]}")
     return eager_ms, host_us, "; ".join(failed)
+
+
+def host_us_after_sync(fn, calls: int = HOST_CALLS) -> float:
+    """Median host time (us) of one call of fn started on an idle GPU, not waiting for it."""
+    samples = []
+    for _ in range(calls):
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        fn()
+        samples.append(time.perf_counter() - start)
+    torch.cuda.synchronize()
+    return statistics.median(samples) * 1e6
 
 
 def random_inputs(shape, seed=0):

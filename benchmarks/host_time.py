@@ -17,7 +17,6 @@ For each backend present (fa2, fa3, fa4) and each shape it times, in one process
 
 import argparse
 import json
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -26,22 +25,11 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import flash_attn_sparse as fas  # noqa: E402
-from bench_sparse import DECODE, make_lists, random_inputs, to_blocks  # noqa: E402
+from bench_sparse import DECODE, host_us_after_sync, make_lists, random_inputs, to_blocks  # noqa: E402
 from flash_attn_sparse.backends import BACKENDS  # noqa: E402
 from flash_attn_sparse.interface import facts  # noqa: E402
 
 CALLS = 200
-
-
-def after_sync_us(fn) -> float:
-    samples = []
-    for _ in range(CALLS):
-        torch.cuda.synchronize()
-        start = time.perf_counter()
-        fn()
-        samples.append(time.perf_counter() - start)
-    torch.cuda.synchronize()
-    return statistics.median(samples) * 1e6
 
 
 def back_to_back_us(fn) -> float:
@@ -114,9 +102,9 @@ def measure(shape, backend):
     row = {"shape": shape.name, "backend": backend, "splits": plan.num_splits}
     for _ in range(20):
         run(), one_shot()
-    row["plan_run_after_sync_us"] = after_sync_us(run)
+    row["plan_run_after_sync_us"] = host_us_after_sync(run)
     row["plan_run_back_to_back_us"] = back_to_back_us(run)
-    row["one_shot_after_sync_us"] = after_sync_us(one_shot)
+    row["one_shot_after_sync_us"] = host_us_after_sync(one_shot)
     row["one_shot_back_to_back_us"] = back_to_back_us(one_shot)
     try:
         row["eager_ms"], row["graph_ms"] = eager_over_graph(run)
@@ -126,7 +114,7 @@ def measure(shape, backend):
     launch = parts(backend, plan, q, k, v)
     if launch:
         row["launch_name"] = launch[0]
-        row["launch_after_sync_us"] = after_sync_us(launch[1])
+        row["launch_after_sync_us"] = host_us_after_sync(launch[1])
         row["launch_back_to_back_us"] = back_to_back_us(launch[1])
     row["checks_us"] = back_to_back_us(lambda: (facts(q), facts(k), facts(v)) == plan._facts)
     row["runtime_calls"] = runtime_calls(run)
@@ -160,7 +148,7 @@ def main():
     shapes = [s for s in DECODE if abs(s.density - 1 / 16) < 1e-9 and any(p in s.name for p in args.shapes.split(","))]
     src = torch.empty(1 << 20, device="cuda")
     dst = torch.empty_like(src)
-    copy_us = (after_sync_us(lambda: dst.copy_(src)), back_to_back_us(lambda: dst.copy_(src)))
+    copy_us = (host_us_after_sync(lambda: dst.copy_(src)), back_to_back_us(lambda: dst.copy_(src)))
     empty_us = back_to_back_us(lambda: None)
     rows = []
     for shape in shapes:
