@@ -266,7 +266,7 @@ SparseLaunch prepare_sparse(
     return launch;
 }
 
-// Runs a prepared forward into `out` (the tensor prepare_sparse or the last set_outputs saw).
+// Runs a prepared forward into `out`, whose pointer and strides its parameters hold.
 void launch_sparse(SparseLaunch &launch, at::Tensor &out) {
     if (launch.no_queries) { return; }
     if (launch.no_keys) {
