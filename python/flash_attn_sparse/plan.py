@@ -77,6 +77,7 @@ class SparsePlan:
 
     def run(self, q: Tensor, k: Tensor, v: Tensor, out: Optional[Tensor] = None) -> Tuple[Tensor, Tensor]:
         """(out, lse) of the planned forward over q, k, v (see the class)."""
+        failure = None
         if self._planned is not None:
             # The extension's run compares dtype, device, shapes and strides itself (C++), so the
             # planned case pays no Python checks; anything it refuses falls through to the checks
@@ -84,8 +85,8 @@ class SparsePlan:
             target = self.out if out is None else out
             try:
                 return target, self._planned.run(q, k, v, target)
-            except (RuntimeError, TypeError):
-                pass
+            except (RuntimeError, TypeError) as error:
+                failure = error
         if (facts(q), facts(k), facts(v)) != self._facts:
             self._refuse(q, k, v)
         if out is None:
@@ -96,8 +97,8 @@ class SparsePlan:
                 return out, ops.launch_direct(dict(self._extension_args, q=q, k=k, v=v), out)
             if self._launch is not None:
                 return self._launch(q, k, v, self.blocks, out, **self._launch_tensors)
-        if self._planned is not None:
-            return out, self._planned.run(q, k, v, out)
+        if failure is not None:  # tensors laid out as planned: the planned forward's own error
+            raise failure
         if self._launch is not None:
             return self._launch(q, k, v, self.blocks, out, **self._launch_tensors)
         if self._fa4_entry is not None:

@@ -31,13 +31,18 @@ def num_splits(call) -> int:
     return call.requested_splits
 
 
+def _bound_args(call, splits: int) -> dict:
+    """The op's arguments other than its tensors, for this call (fa3_ops.static_args)."""
+    return fa3_ops.static_args(call.q, call.effective_blocks(), softmax_scale=call.scale, causal=call.causal,
+                               num_splits=splits, max_seqlen_q=call.max_seqlen_q if call.varlen else None,
+                               max_seqlen_k=call.max_seqlen_k if call.varlen else None)
+
+
 def launcher(call, splits: int) -> Callable:
     """launch(q, k, v, blocks, out, **tensors) -> (out, lse): this call's forward over new tensors
     of the same facts, the op's other arguments bound here once (as fa2.launcher). A given `out`
     is written in place (fwd_out), else the op allocates it (fwd)."""
-    bound = fa3_ops.static_args(call.q, call.effective_blocks(), softmax_scale=call.scale, causal=call.causal,
-                                num_splits=splits, max_seqlen_q=call.max_seqlen_q if call.varlen else None,
-                                max_seqlen_k=call.max_seqlen_k if call.varlen else None)
+    bound = _bound_args(call, splits)
     op, op_out = fa3_ops.op(), fa3_ops.op_out()
 
     def launch(q, k, v, blocks, out, cu_seqlens_q=None, cu_seqlens_k=None, seqused_k=None, page_table=None):
@@ -59,14 +64,11 @@ def planned(call, splits: int, out: Tensor):
     if planner is None:
         return None
     blocks = call.effective_blocks()
-    bound = fa3_ops.static_args(call.q, blocks, softmax_scale=call.scale, causal=call.causal, num_splits=splits,
-                                max_seqlen_q=call.max_seqlen_q if call.varlen else None,
-                                max_seqlen_k=call.max_seqlen_k if call.varlen else None)
     return planner(q=call.q, k=call.k, v=call.v, out=out, full_cnt=blocks.full_cnt, full_idx=blocks.full_idx,
                    mask_cnt=blocks.mask_cnt, mask_idx=blocks.mask_idx, cu_total_m_blocks=blocks.cu_total_m_blocks,
                    cu_block_idx_offsets=blocks.cu_block_idx_offsets,
                    cu_seqlens_q=call.cu_seqlens_q if call.varlen else None,
-                   cu_seqlens_k=call.cu_seqlens_k if call.varlen else None, **bound)
+                   cu_seqlens_k=call.cu_seqlens_k if call.varlen else None, **_bound_args(call, splits))
 
 
 def run(call, splits: int, out: Optional[Tensor] = None) -> Tuple[Tensor, Tensor]:
