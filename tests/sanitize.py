@@ -7,10 +7,13 @@ fuzzer's own failure count.
 Runs memcheck, racecheck and initcheck, each over this file's --cases: adversarial valid calls
 (lists that are empty, one block, the tail block only, every block, as long as the row) of the
 non-split, split, GQA-packed, paged, varlen, decode-tile, key-split-tile, one-launch speculative
-and partials + combine paths, and FA-3's sparse kernel (fa3_cases), small enough for the tools.
-Prints one summary line per tool, the kinds of report and where (most frequent first), and exits
-non-zero if any tool reports an error other than the CUDA runtime's benign cuGetProcAddress
-probes; --raw DIR keeps each tool's whole output there.
+and partials + combine paths, and FA-3's sparse kernel (fa3_cases), small enough for the tools;
+then, where FA-3 is built, upstream FA-3's dense calls of the same shapes alone (--upstream-fa3-cases),
+to tell upstream's (or the tool's) reports from this series'.
+Prints one summary line per tool, the kinds of report and where (function, file:line, the Python
+line that launched it; most frequent first), and exits non-zero if any tool reports an error
+other than the CUDA runtime's benign cuGetProcAddress probes in this series' cases; --raw DIR
+keeps each tool's whole output there.
 """
 
 import collections
@@ -139,11 +142,26 @@ def fa3_cases(randn):
     for num_splits in (1, 2):
         fas.flash_attn_varlen_with_sparse_blocks(qv, kv, vv, vblocks, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=130,
                                                  max_seqlen_k=700, num_splits=num_splits, backend="fa3")
-    # Upstream's dense varlen call on the same inputs: its scheduler hand-off is the sparse path's
-    # (VarlenDynamicPersistentTileScheduler), so a report there is upstream's, or the tool's.
-    from flash_attn_interface import flash_attn_varlen_func
-    flash_attn_varlen_func(qv, kv, vv, cu_q, cu_k, 130, 700)
-    print("fa3: ok (and upstream FA-3's dense varlen call)", flush=True)
+    print("fa3: ok", flush=True)
+
+
+def upstream_fa3_cases():
+    """Upstream FA-3's dense calls of the same shapes and paths (GQA packed, split, varlen), in a
+    process of their own: the sparse kernel shares upstream's tile schedulers, so a report that
+    these calls also give is upstream's (or the tool's), not this series'."""
+    from flash_attn_interface import flash_attn_func, flash_attn_varlen_func
+    g = torch.Generator(device="cuda").manual_seed(0)
+    randn = lambda *shape: torch.randn(*shape, generator=g, device="cuda", dtype=torch.bfloat16)  # noqa: E731
+    q, k, v = randn(2, 16, 8, 128), randn(2, 1000, 2, 128), randn(2, 1000, 2, 128)
+    for num_splits in (1, 3):
+        flash_attn_func(q, k, v, num_splits=num_splits, pack_gqa=True)
+    cu_q = torch.tensor([0, 5, 5, 135], dtype=torch.int32, device="cuda")
+    cu_k = torch.tensor([0, 300, 400, 1100], dtype=torch.int32, device="cuda")
+    qv, kv, vv = randn(135, 8, 128), randn(1100, 2, 128), randn(1100, 2, 128)
+    for num_splits in (1, 2):
+        flash_attn_varlen_func(qv, kv, vv, cu_q, cu_k, 130, 700, num_splits=num_splits)
+    torch.cuda.synchronize()
+    print("upstream fa3 dense: ok", flush=True)
 
 
 # CUDA API errors that are no kernel's: the CUDA runtime asks the driver for entry points it may
@@ -153,23 +171,43 @@ REPORT = re.compile(r"^========= (Invalid __\w+__ \w+|Uninitialized __\w+__ memo
                     r"|Warning: Race reported|Misaligned|Out-of-range|Barrier error|Cuda API error)")
 
 
+def short_name(signature: str) -> str:
+    """A kernel or device function's name without template arguments, parameters or return type:
+    `flash::DynamicPersistentTileScheduler::get_next_work`."""
+    previous = None
+    while previous != signature:
+        previous, signature = signature, re.sub(r"<[^<>]*>", "", signature)
+    signature = re.sub(r"\([^()]*\)", "", signature)
+    words = [w for w in signature.split() if w not in ("const", "void")]
+    return words[-1] if words else signature.strip()
+
+
 def reports(output: str) -> collections.Counter:
     """(what, where) -> count of the tool's reports: the report's first line (sizes and addresses
-    dropped) and the first frame or API call it names."""
+    dropped); where: the API call, or the function (file:line where the tool gives it) and the
+    innermost Python frame of the launch (whose code launched it: a test's reference or a kernel)."""
     found, lines = collections.Counter(), output.splitlines()
     for i, line in enumerate(lines):
         match = REPORT.match(line)
         if not match:
             continue
-        where = re.search(r"on CUDA API call to (\w+)", line) or re.search(r" at (.{0,100}?)(\+0x|$)", line)
-        if where is None:
-            frame = next((f for f in lines[i + 1:i + 6] if re.match(r"^=========\s+at ", f)), "")
-            where = re.search(r"at (.{0,100}?)(\+0x|$)", frame)
-        found[(match.group(1), where.group(1).strip() if where else "?")] += 1
+        api = re.search(r"on CUDA API call to (\w+)", line)
+        if api:
+            found[(match.group(1), api.group(1))] += 1
+            continue
+        body = [line]
+        for following in lines[i + 1:i + 80]:
+            if REPORT.match(following) or re.match(r"^========= (ERROR|RACECHECK) SUMMARY", following):
+                break
+            body.append(following)
+        at = next((m for m in (re.search(r" at (.+?)\+0x[0-9a-f]+(?: in (\S+:\d+))?", b) for b in body) if m), None)
+        where = (short_name(at.group(1)) + (f" ({at.group(2)})" if at.group(2) else "")) if at else "?"
+        python = next((m.group(1) for m in (re.search(r"Host Frame: (\w+ in [\w.]+\.py:\d+)", b) for b in body) if m), None)
+        found[(match.group(1), f"{where}, launched from {python}" if python else where)] += 1
     return found
 
 
-def sanitize(command, raw_dir=None) -> int:
+def sanitize(command, raw_dir=None, label="sanitize") -> int:
     """Each tool over `command`: clean when it exits 0 and reports nothing but benign API errors
     (their count is printed). Prints the kinds of report and where, most frequent first."""
     failed = 0
@@ -177,7 +215,7 @@ def sanitize(command, raw_dir=None) -> int:
         run = subprocess.run(["compute-sanitizer", "--tool", tool, "--print-limit", "400", *command],
                              capture_output=True, text=True)
         if raw_dir:
-            (Path(raw_dir) / f"sanitize-{tool}.txt").write_text(run.stdout[-4_000_000:] + run.stderr[-100_000:])
+            (Path(raw_dir) / f"{label}-{tool}.txt").write_text(run.stdout[-4_000_000:] + run.stderr[-100_000:])
         cases = re.search(r"configurations run: (\d+)", run.stdout)
         if cases:
             wrong = re.search(r"failures: (\d+)", run.stdout)
@@ -215,5 +253,12 @@ if __name__ == "__main__":
         cases()
     elif "--fuzz-subset" in sys.argv:
         sys.exit(sanitize(fuzz_subset_command(sys.argv), raw_dir(sys.argv)))
+    elif "--upstream-fa3-cases" in sys.argv:
+        upstream_fa3_cases()
     else:
-        sys.exit(sanitize([sys.executable, __file__, "--cases"], raw_dir(sys.argv)))
+        failed = sanitize([sys.executable, __file__, "--cases"], raw_dir(sys.argv))
+        from flash_attn_sparse.backends import fa3_ops
+        if fa3_ops.missing_build() is None:
+            print("upstream FA-3's dense calls, alone (what they report is not this series'):", flush=True)
+            sanitize([sys.executable, __file__, "--upstream-fa3-cases"], raw_dir(sys.argv), label="upstream-fa3")
+        sys.exit(failed)

@@ -106,6 +106,8 @@ def test_the_reference_agrees_with_itself_and_the_comparison_catches_errors(conf
         exact, low = case.reference(torch.float64), case.reference(case.dtype)
         out, lse = case.reference(torch.float32)
         assert compare((out.to(case.dtype), lse), exact, low, case.dtype) == "", c.index
+        on_cpu = case.reference(torch.float64, on_cpu=True)  # the sanitizer subset's path
+        assert torch.equal(on_cpu[0].nan_to_num(), exact[0].nan_to_num()) and torch.equal(on_cpu[1], exact[1])
         finite = torch.isfinite(exact[0]) & (exact[0].abs() > 0.1)
         if finite.any():
             bad = out.clone()
@@ -160,8 +162,8 @@ class FakeCase:
     def dense_problem(self):
         return self.inner.dense_problem()
 
-    def reference(self, dtype):
-        return self.inner.reference(dtype)
+    def reference(self, dtype, on_cpu=False):
+        return self.inner.reference(dtype, on_cpu)
 
     def non_finite_reach(self):
         return self.inner.non_finite_reach()

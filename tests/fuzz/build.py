@@ -200,10 +200,15 @@ class Case:
         return fas.choose_backend(self.q, self.k, self.v, self.blocks, **opts)
 
     # ---- reference ---------------------------------------------------------------------------
-    def reference(self, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
-        """(out, lse) in the layout of call()'s, computed in `dtype` over padded batched tensors."""
-        q, k, v, visible, _ = self.dense_problem()
-        return self._packed(*attention_ref(q, k, v, visible, dtype=dtype))
+    def reference(self, dtype: torch.dtype, on_cpu: bool = False) -> tuple[Tensor, Tensor]:
+        """(out, lse) in the layout of call()'s, computed in `dtype` over padded batched tensors;
+        on_cpu: computed on the CPU and copied back (under initcheck: cuBLAS's half GEMMs on the
+        H200 write memory the tool does not see written, so every read of them is reported)."""
+        problem = self.dense_problem()
+        if on_cpu:
+            out, lse = attention_ref(*(t.cpu() for t in problem[:4]), dtype=dtype)
+            return self._packed(out.to(self.device), lse.to(self.device))
+        return self._packed(*attention_ref(*problem[:4], dtype=dtype))
 
     def non_finite_reach(self) -> tuple[Tensor, Tensor]:
         """(output elements, LSE rows) that a non-finite K or V value may reach in a kernel, in

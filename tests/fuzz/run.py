@@ -11,7 +11,8 @@ launch, or auto choosing a backend that refuses), device fault, upstream excepti
 else escaping), unchecked (ran on input whose answer is undefined: memory safety only) or
 skipped (past the cap of FA-4 kernels to compile, --fa4-kernels). Prints the seed, per-backend counts, one reproducer line per failure
 and the wall time; exits 1 on any failure. --sanitizer-subset runs space.sanitizer_subset instead (bad ids,
-counts, page tables; varlen edges), unvalidated, for compute-sanitizer (tests/sanitize.py).
+counts, page tables; varlen edges), unvalidated, for compute-sanitizer (tests/sanitize.py), with the
+references computed on the CPU so that initcheck sees only the kernels under test.
 """
 
 import argparse
@@ -169,11 +170,11 @@ def judge(case: Case, backend: str, kind: str, detail: str, result, reference) -
     return ("wrong", why) if why else ("pass", "")
 
 
-def reference_of(case: Case):
+def reference_of(case: Case, on_cpu: bool = False):
     q, k, _, visible, _ = case.dense_problem()
     work = visible.numel() * q.shape[-1]
     precise = torch.float64 if work <= FP64_MAX_ELEMENTS else torch.float32
-    return case.reference(precise), case.reference(case.dtype)
+    return case.reference(precise, on_cpu), case.reference(case.dtype, on_cpu)
 
 
 class KernelCap:
@@ -196,10 +197,10 @@ class KernelCap:
         return key in self.seen
 
 
-def run_config(case: Case, backends, cap: KernelCap) -> dict:
+def run_config(case: Case, backends, cap: KernelCap, reference_on_cpu: bool = False) -> dict:
     """{backend: (outcome, why)} of one configuration, with auto's choice checked."""
     c = case.c
-    reference = reference_of(case) if c.result_defined else None
+    reference = reference_of(case, reference_on_cpu) if c.result_defined else None
     try:
         route, route_error = case.route(), None
     except SparseInputError as error:
@@ -260,7 +261,7 @@ def main(argv=None) -> int:
             break
         drawn = space.draw(seed, index, head_dims, adversarial=args.sanitizer_subset)
         for variant, config in variants(drawn, args.vary):
-            outcomes = run_config(Case(config, seed), backends, cap)
+            outcomes = run_config(Case(config, seed), backends, cap, reference_on_cpu=args.sanitizer_subset)
             run += 1
             for backend, (outcome, why) in outcomes.items():
                 counts[backend][outcome] += 1
