@@ -153,13 +153,15 @@ def upstream_fa3_cases():
     g = torch.Generator(device="cuda").manual_seed(0)
     randn = lambda *shape: torch.randn(*shape, generator=g, device="cuda", dtype=torch.bfloat16)  # noqa: E731
     q, k, v = randn(2, 16, 8, 128), randn(2, 1000, 2, 128), randn(2, 1000, 2, 128)
-    for num_splits in (1, 3):
-        flash_attn_func(q, k, v, num_splits=num_splits, pack_gqa=True)
+    for causal in (False, True):  # causal: upstream's DynamicPersistentTileScheduler, as the sparse kernel's
+        for num_splits in (1, 3):
+            flash_attn_func(q, k, v, causal=causal, num_splits=num_splits, pack_gqa=True)
     cu_q = torch.tensor([0, 5, 5, 135], dtype=torch.int32, device="cuda")
     cu_k = torch.tensor([0, 300, 400, 1100], dtype=torch.int32, device="cuda")
     qv, kv, vv = randn(135, 8, 128), randn(1100, 2, 128), randn(1100, 2, 128)
     for num_splits in (1, 2):
         flash_attn_varlen_func(qv, kv, vv, cu_q, cu_k, 130, 700, num_splits=num_splits)
+        flash_attn_varlen_func(qv, kv, vv, cu_q, cu_k, 130, 700, causal=True, num_splits=num_splits)
     torch.cuda.synchronize()
     print("upstream fa3 dense: ok", flush=True)
 
