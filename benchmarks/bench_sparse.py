@@ -16,7 +16,9 @@ launch gaps included), and host_us, the median over 200 calls of one call's host
 on an idle GPU and not waiting for it (what the call costs the CPU); NaN where that timing failed.
 plan_run <backend> times SparsePlan.run (plans made outside the timing) against the API's call;
 *_dense_listed and cudnn_listed time dense FA-3 / FA-2 / cuDNN over a K/V gathered to exactly
-the listed keys (non-causal lists of one length). --pristine-fa4 (flash-attn-4 installed as
+the listed keys (non-causal lists of one length); fa3_dense_listed_128 the same FA-3 call in
+the sparse path's 128-key tiles (upstream tiles non-causal keys by 176), at one query row, where
+causal=True hides no key. --pristine-fa4 (flash-attn-4 installed as
 released, without this project's patches) runs only fa4_pristine_blocksparse: its own
 block-sparse call on the same lists in its form.
 
@@ -49,7 +51,8 @@ BLOCK = 128
 ROTATIONS = 4
 EAGER_WARMUP, EAGER_CALLS, HOST_CALLS = 10, 100, 200  # eager_and_host's call counts
 DEFAULT_METHODS = ",".join(("copy", "read_listed", "fa2_sparse", "fa3_sparse", "fa4_sparse", "fa4_direct", "auto", "plan_run",
-                            "fa2_dense", "fa3_dense_listed", "fa2_dense_listed", "cudnn_listed", "speculative", "sdpa", "flex"))
+                            "fa2_dense", "fa3_dense_listed", "fa3_dense_listed_128", "fa2_dense_listed", "cudnn_listed",
+                            "speculative", "sdpa", "flex"))
 
 
 @dataclass
@@ -505,7 +508,7 @@ def bench_shape(shape, roofline, rows, methods, pristine=False):
             add(name, run)
     # Dense attention over exactly the listed keys: K/V gathered per list set at setup (listed_kv).
     listed = None
-    if {"fa3_dense_listed", "fa2_dense_listed", "cudnn_listed"} & methods and not shape.causal:
+    if {"fa3_dense_listed", "fa3_dense_listed_128", "fa2_dense_listed", "cudnn_listed"} & methods and not shape.causal:
         if all(one_length(shape, lists) for lists in list_sets):
             listed = built("listed K/V", lambda: [listed_kv(k, v, lists) for lists in list_sets])
         else:
@@ -521,6 +524,14 @@ def bench_shape(shape, roofline, rows, methods, pristine=False):
         elif listed:
             add("fa3_dense_listed", rotating([lambda kl=kl, vl=vl: fa3_dense(q, kl, vl, causal=False) for kl, vl in listed]),
                 "dense FA-3 over K/V gathered to the listed keys")
+    if "fa3_dense_listed_128" in methods and listed and shape.seqlen_q == 1:
+        # FA-3 tiles non-causal hdim-128 keys by 176 and causal ones by 128 (tile_size.h), the
+        # sparse path by its 128-key blocks: at one query row the bottom-right causal mask hides
+        # no key, so the causal call is the same dense attention in the sparse path's tile shape.
+        fa3_dense, why_not = fa3_dense_forward()
+        if fa3_dense is not None:
+            add("fa3_dense_listed_128", rotating([lambda kl=kl, vl=vl: fa3_dense(q, kl, vl, causal=True) for kl, vl in listed]),
+                "dense FA-3 over K/V gathered to the listed keys, 128-key tiles (causal at one query row)")
     if "fa2_dense_listed" in methods and listed:
         try:
             from flash_attn import flash_attn_func as fa2_dense
