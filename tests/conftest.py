@@ -41,7 +41,8 @@ def pytest_collection_modifyitems(config, items):
 
 
 # Modules that test FA-4 themselves (its results, or a rule over every backend).
-MODULES_THAT_ROUTE_TO_FA4 = {"test_stage4_fa4", "test_nan_propagation_gpu", "test_plan_gpu", "test_fa4_patched_marker"}
+MODULES_THAT_ROUTE_TO_FA4 = {"test_stage4_fa4", "test_nan_propagation_gpu", "test_plan_gpu", "test_fa4_patched_marker",
+                             "test_contract_every_backend_gpu"}
 
 
 @pytest.fixture(autouse=True)

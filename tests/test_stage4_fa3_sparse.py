@@ -14,10 +14,8 @@ import random
 import pytest
 import torch
 
-from flash_attn_sparse.reference import visibility_from_lists
-from helpers import assert_close_to_reference, batched_rows, poison_allocator, random_qkv
-
-BLOCK = 128
+from contract import BLOCK, causal_split_rows, check_batched, gapped_permuted, make_qkv, pack_rows, varlen_inputs
+from helpers import poison_allocator, random_qkv
 
 
 def _load_op():
@@ -38,96 +36,7 @@ pytestmark = [pytest.mark.gpu, pytest.mark.sm90, pytest.mark.stage4,
 
 
 # ----------------------------------------------------------------------------------------------
-# Inputs
-
-
-def make_qkv(batch, seqlen_q, seqlen_k, heads, heads_k, head_dim, dtype, seed):
-    q, k, v = random_qkv(batch, seqlen_q, seqlen_k, heads, heads_k, head_dim, dtype,
-                         generator=torch.Generator(device="cuda").manual_seed(seed))
-    # Distinct V per block: reading the wrong block's V shifts the output by whole units.
-    block_of_key = torch.arange(seqlen_k, device="cuda") // BLOCK
-    v = (v.float() + 0.75 * (block_of_key % 5 - 2).view(1, -1, 1, 1)).to(dtype)
-    return q, k, v
-
-
-def gapped_permuted(rng, n_blocks, keep, must=()):
-    """A random gapped subset of range(n_blocks) in random order (the tail block included when
-    listed anywhere), plus the blocks in must."""
-    chosen = set(must) | {b for b in range(n_blocks) if rng.random() < keep}
-    ids = sorted(chosen)
-    rng.shuffle(ids)
-    return ids
-
-
-def pack_rows(rows, capacity=None, pad=0):
-    """rows[b][h][m] = [ids] -> (cnt (B, H, M), idx (B, H, M, N)) int32 on the GPU, idx padded with pad."""
-    batch, heads, m_blocks = len(rows), len(rows[0]), len(rows[0][0])
-    width = capacity or max([len(r) for per_b in rows for per_h in per_b for r in per_h] + [1])
-    cnt = torch.zeros(batch, heads, m_blocks, dtype=torch.int32)
-    idx = torch.full((batch, heads, m_blocks, width), pad, dtype=torch.int32)
-    for b in range(batch):
-        for h in range(heads):
-            for m in range(m_blocks):
-                ids = rows[b][h][m][:width]
-                cnt[b, h, m] = len(ids)
-                idx[b, h, m, :len(ids)] = torch.tensor(ids, dtype=torch.int32)
-    return cnt.cuda(), idx.cuda()
-
-
-def causal_split_rows(rng, batch, table_heads, m_blocks, q_block, seqlen_q, seqlen_k, keep):
-    """Full blocks: fully historical for every row of the tile; mask blocks: those that touch the
-    diagonal (bottom-right aligned). Each list gapped and permuted."""
-    n_blocks = math.ceil(seqlen_k / BLOCK)
-    full, mask = [], []
-    for _ in range(batch):
-        full_b, mask_b = [], []
-        for _ in range(table_heads):
-            full_h, mask_h = [], []
-            for m in range(m_blocks):
-                first_row = m * q_block
-                last_row = min((m + 1) * q_block, seqlen_q) - 1
-                shift = seqlen_k - seqlen_q
-                f, k = [], []
-                for blk in range(n_blocks):
-                    if (blk + 1) * BLOCK - 1 <= first_row + shift and (blk + 1) * BLOCK <= seqlen_k:
-                        f.append(blk)
-                    elif blk * BLOCK <= last_row + shift:
-                        k.append(blk)
-                f = [b for b in f if rng.random() < keep]
-                rng.shuffle(f)
-                rng.shuffle(k)
-                full_h.append(f)
-                mask_h.append(k)
-            full_b.append(full_h)
-            mask_b.append(mask_h)
-        full.append(full_b)
-        mask.append(mask_b)
-    return full, mask
-
-
-# ----------------------------------------------------------------------------------------------
-# Reference: the project's (flash_attn_sparse.reference) over exactly the ids the kernel visits
-
-
-def visited_rows(cnt, idx, n_blocks):
-    """rows[b][h][m]: the ids the kernel visits: the count clamped to [0, capacity], ids outside
-    [0, n_blocks) skipped."""
-    rows = batched_rows(cnt.clamp(0, idx.shape[-1]), idx)
-    return [[[[i for i in row if 0 <= i < n_blocks] for row in per_h] for per_h in per_b] for per_b in rows]
-
-
-def check_batched(out, lse, q, k, v, full_cnt, full_idx, mask_cnt, mask_idx, q_block, causal, scale):
-    """out (b, s, h, d) and LSE (b, h, s) against the fp32 reference (tests/helpers.py tolerance:
-    twice the error of the same computation in the input dtype; -inf LSE exactly where nothing is
-    visible)."""
-    batch, seqlen_q, heads, _ = q.shape
-    seqlen_k = k.shape[1]
-    n_blocks = math.ceil(seqlen_k / BLOCK)
-    full = visited_rows(full_cnt, full_idx, n_blocks)
-    mask = visited_rows(mask_cnt, mask_idx, n_blocks) if mask_cnt is not None else [None] * batch
-    visible = torch.stack([visibility_from_lists(full[b], mask[b], BLOCK, q_block, seqlen_q, seqlen_k, heads, causal,
-                                                 device=q.device) for b in range(batch)])
-    assert_close_to_reference(out, lse, q, k, v, visible, scale)
+# The op (inputs and the reference check: tests/contract.py)
 
 
 def run_sparse(q, k, v, full_cnt, full_idx, mask_cnt=None, mask_idx=None, *, q_block_size, causal=False,
@@ -281,48 +190,6 @@ def test_bad_ids_and_counts(num_splits):
     mask_cnt[0, 1, 1] = 2
     out, lse, scale = run_sparse(q, k, v, full_cnt, full_idx, mask_cnt, mask_idx, q_block_size=q_block, num_splits=num_splits)
     check_batched(out, lse, q, k, v, full_cnt, full_idx, mask_cnt, mask_idx, q_block, False, scale)
-
-
-def varlen_inputs(seqlens_q, seqlens_k, heads, heads_k, head_dim, table_heads, q_block, rng, causal):
-    """Packed q/k/v and the varlen list layout; per sequence, rows of n_b = its longest list."""
-    total_q, total_k = sum(seqlens_q), sum(seqlens_k)
-    gen = torch.Generator(device="cuda").manual_seed(rng.randrange(1 << 30))
-    q = torch.randn(total_q, heads, head_dim, device="cuda", dtype=torch.bfloat16, generator=gen)
-    k = torch.randn(total_k, heads_k, head_dim, device="cuda", dtype=torch.bfloat16, generator=gen)
-    v = torch.randn(total_k, heads_k, head_dim, device="cuda", dtype=torch.float32, generator=gen)
-    offsets = torch.cat([torch.arange(s) for s in seqlens_k]).cuda() // BLOCK if total_k else torch.zeros(0, device="cuda")
-    v = (v + 0.75 * (offsets % 5 - 2).view(-1, 1, 1)).to(torch.bfloat16)
-    per_seq = []
-    cu_m, cu_off = [0], [0]
-    for sq, sk in zip(seqlens_q, seqlens_k):
-        m_blocks, n_blocks = math.ceil(sq / q_block), math.ceil(sk / BLOCK)
-        if causal:
-            full, mask = causal_split_rows(rng, 1, table_heads, m_blocks, q_block, sq, sk, keep=0.7)
-            full, mask = full[0], mask[0]
-        else:
-            full = [[gapped_permuted(rng, n_blocks, 0.5, must=[n_blocks - 1] if n_blocks else []) for _ in range(m_blocks)]
-                    for _ in range(table_heads)]
-            mask = [[[] for _ in range(m_blocks)] for _ in range(table_heads)]
-        width = max([len(r) for lists in (full, mask) for ph in lists for r in ph] + [1])
-        per_seq.append((full, mask, width))
-        cu_m.append(cu_m[-1] + m_blocks)
-        cu_off.append(cu_off[-1] + m_blocks * width)
-    full_cnt = torch.zeros(table_heads, max(cu_m[-1], 1), dtype=torch.int32)
-    mask_cnt = torch.zeros_like(full_cnt)
-    full_idx = torch.zeros(table_heads, max(cu_off[-1], 1), dtype=torch.int32)
-    mask_idx = torch.zeros_like(full_idx)
-    for b, (full, mask, width) in enumerate(per_seq):
-        for h in range(table_heads):
-            for m in range(len(full[h])):
-                start = cu_off[b] + m * width
-                for cnt, idx, ids in ((full_cnt, full_idx, full[h][m]), (mask_cnt, mask_idx, mask[h][m])):
-                    cnt[h, cu_m[b] + m] = len(ids)
-                    idx[h, start:start + len(ids)] = torch.tensor(ids, dtype=torch.int32)
-    as_gpu = lambda values: torch.tensor(values, dtype=torch.int32, device="cuda")
-    cu_q = as_gpu([0] + list(torch.tensor(seqlens_q).cumsum(0).tolist()))
-    cu_k = as_gpu([0] + list(torch.tensor(seqlens_k).cumsum(0).tolist()))
-    varlen = (as_gpu(cu_m), as_gpu(cu_off), cu_q, cu_k, max(seqlens_q), max(seqlens_k))
-    return q, k, v, full_cnt.cuda(), full_idx.cuda(), mask_cnt.cuda(), mask_idx.cuda(), per_seq, varlen
 
 
 @pytest.mark.parametrize("causal", [False, True])
