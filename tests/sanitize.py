@@ -117,6 +117,17 @@ def cases():
     torch.cuda.synchronize()
 
 
+def fa3_inputs(randn):
+    """The FA-3 cases' tensors, for the sparse calls and upstream's dense ones alike: batched
+    (q, k, v) with 4 query heads per K/V head, and varlen (q, k, v, cu_seqlens_q, cu_seqlens_k)
+    of three sequences, the second with no query row (max_seqlen_q 130, max_seqlen_k 700)."""
+    batched = randn(2, 16, 8, 128), randn(2, 1000, 2, 128), randn(2, 1000, 2, 128)
+    cu_q = torch.tensor([0, 5, 5, 135], dtype=torch.int32, device="cuda")
+    cu_k = torch.tensor([0, 300, 400, 1100], dtype=torch.int32, device="cuda")
+    varlen = randn(135, 8, 128), randn(1100, 2, 128), randn(1100, 2, 128), cu_q, cu_k
+    return batched, varlen
+
+
 def fa3_cases(randn):
     """FA-3's sparse SM90 kernel (backend="fa3"), where this build has it: not split and split,
     per-K/V-head lists (PackGQA), varlen with an empty sequence, ids past the end or negative and
@@ -125,7 +136,7 @@ def fa3_cases(randn):
     if fa3_ops.missing_build() is not None:
         print(f"fa3: not in this build ({fa3_ops.missing_build()})", flush=True)
         return
-    q, k, v = randn(2, 16, 8, 128), randn(2, 1000, 2, 128), randn(2, 1000, 2, 128)
+    (q, k, v), (qv, kv, vv, cu_q, cu_k) = fa3_inputs(randn)
     good = torch.tensor([7, 3, 0], dtype=torch.int32, device="cuda")
     bad = torch.tensor([7, 3, 40, -2, 2 ** 30, 0], dtype=torch.int32, device="cuda")
     full = [[[[7, 0, 3]], [[5, 1]]] for _ in range(2)]
@@ -134,11 +145,8 @@ def fa3_cases(randn):
     for num_splits in (1, 3):
         for lists in (good, bad, per_head, over):
             fas.flash_attn_with_sparse_block_table(q, k, v, lists, block_size=128, num_splits=num_splits, backend="fa3")
-    cu_q = torch.tensor([0, 5, 5, 135], dtype=torch.int32, device="cuda")
-    cu_k = torch.tensor([0, 300, 400, 1100], dtype=torch.int32, device="cuda")
     lists = [[[[0, 2]] for _ in range(2)], [[] for _ in range(2)], [[[1, 5], [5]] for _ in range(2)]]
     vblocks = pack_varlen_lists(lists, None, 128, 128, device="cuda")
-    qv, kv, vv = randn(135, 8, 128), randn(1100, 2, 128), randn(1100, 2, 128)
     for num_splits in (1, 2):
         fas.flash_attn_varlen_with_sparse_blocks(qv, kv, vv, vblocks, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=130,
                                                  max_seqlen_k=700, num_splits=num_splits, backend="fa3")
@@ -151,14 +159,10 @@ def upstream_fa3_cases():
     these calls also give is upstream's (or the tool's), not this series'."""
     from flash_attn_interface import flash_attn_func, flash_attn_varlen_func
     g = torch.Generator(device="cuda").manual_seed(0)
-    randn = lambda *shape: torch.randn(*shape, generator=g, device="cuda", dtype=torch.bfloat16)  # noqa: E731
-    q, k, v = randn(2, 16, 8, 128), randn(2, 1000, 2, 128), randn(2, 1000, 2, 128)
+    (q, k, v), (qv, kv, vv, cu_q, cu_k) = fa3_inputs(lambda *shape: torch.randn(*shape, generator=g, device="cuda").bfloat16())
     for causal in (False, True):  # causal: upstream's DynamicPersistentTileScheduler, as the sparse kernel's
         for num_splits in (1, 3):
             flash_attn_func(q, k, v, causal=causal, num_splits=num_splits, pack_gqa=True)
-    cu_q = torch.tensor([0, 5, 5, 135], dtype=torch.int32, device="cuda")
-    cu_k = torch.tensor([0, 300, 400, 1100], dtype=torch.int32, device="cuda")
-    qv, kv, vv = randn(135, 8, 128), randn(1100, 2, 128), randn(1100, 2, 128)
     for num_splits in (1, 2):
         flash_attn_varlen_func(qv, kv, vv, cu_q, cu_k, 130, 700, num_splits=num_splits)
         flash_attn_varlen_func(qv, kv, vv, cu_q, cu_k, 130, 700, causal=True, num_splits=num_splits)

@@ -1,8 +1,8 @@
 """GPU: the sparse contract over every backend present (issue 26), one suite through the public
 API with backend="fa2", "fa3" or "fa4": permuted and gapped lists with V distinct per block, the
 partial tail block anywhere, empty lists, per-query-head / per-K/V-head / shared tables, causal
-mask blocks, forced splits, varlen with ragged and empty sequences, the zero-copy speculative
-form, CUDA-graph replay with lists updated in place, determinism and torch.compile. Each call is
+mask blocks, forced splits, varlen with ragged and empty sequences, block-CSR input, the
+zero-copy speculative form, CUDA-graph replay with lists updated in place, determinism and torch.compile. Each call is
 checked against the fp32 reference over exactly the listed keys (tests/contract.py).
 
 A backend may refuse a case before any kernel, with SparseInputError naming why: the test then
@@ -133,6 +133,25 @@ def test_varlen_with_ragged_and_empty_sequences(backend, table, causal):
                           q_block, causal, scale_of(q))
         q_start += sq
         k_start += sk
+
+
+@pytest.mark.parametrize("table", ["per_kv_head", "per_q_head"])
+def test_block_csr_lists_converted_on_the_device(backend, table):
+    """FlashInfer-style block-CSR rows (batch, table head, query tile), permuted and gapped, some
+    empty, converted by blocks_from_csr on the GPU (issue 27): the lists it gives run as listed."""
+    batch, seqlen_q, seqlen_k, n_blocks, m_blocks = 2, 256, 1000, 8, 2
+    q, k, v = make_qkv(batch, seqlen_q, seqlen_k, H, HK, D, torch.bfloat16, seed=9 + TABLES[table])
+    g = torch.Generator().manual_seed(TABLES[table])
+    rows = [torch.randperm(n_blocks, generator=g)[:int(torch.randint(0, n_blocks + 1, (1,), generator=g))].tolist()
+            for _ in range(batch * TABLES[table] * m_blocks)]
+    indptr = torch.tensor([0] + [len(row) for row in rows]).cumsum(0).to(device="cuda", dtype=torch.int32)
+    indices = torch.tensor([i for row in rows for i in row], dtype=torch.int32, device="cuda")
+    blocks = fas.blocks_from_csr(indptr, indices, block_size=BLOCK, q_block_size=128, num_heads=TABLES[table],
+                                 batch=batch, max_row_length=n_blocks)
+    out, lse = attend(backend, lambda: fas.flash_attn_with_sparse_block_table(q, k, v, blocks, backend=backend))
+    listed = [[[rows[(b * TABLES[table] + h) * m_blocks + m] for m in range(m_blocks)] for h in range(TABLES[table])]
+              for b in range(batch)]
+    check_batched(out, lse, q, k, v, *pack_rows(listed, n_blocks), None, None, 128, False, scale_of(q))
 
 
 def test_the_zero_copy_speculative_form(backend):

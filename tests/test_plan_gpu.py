@@ -13,7 +13,7 @@ import flash_attn_sparse as fas
 from flash_attn_sparse import SparseBlocks
 from flash_attn_sparse.backends import fa4
 from flash_attn_sparse.metadata import pack_varlen_lists
-from flash_attn_sparse.reference import block_positions, visibility_from_lists
+from flash_attn_sparse.reference import block_positions
 from helpers import assert_close_to_reference, random_qkv
 
 pytestmark = pytest.mark.gpu
@@ -190,37 +190,6 @@ def test_a_broadcast_flex_block_mask_runs_like_its_lists_per_batch(backend, need
     ref_out, ref_lse = fas.flash_attn_with_sparse_block_table(q, k, v, per_batch, causal=True, backend=backend)
     assert torch.equal(out, ref_out) and torch.equal(lse, ref_lse)
     visible = torch.ones(seqlen, seqlen, dtype=torch.bool, device="cuda").tril()
-    assert_close_to_reference(out, lse, q, k, v, visible)
-
-
-@pytest.mark.parametrize("table_heads", [HK, H], ids=["per K/V head", "per query head"])
-@pytest.mark.parametrize("backend", BACKENDS + ["fa3"])
-def test_block_csr_lists_converted_on_the_device_run_like_the_reference(backend, table_heads, needs):
-    """FlashInfer-style block-CSR rows (batch, table head, query tile), permuted and gapped, some
-    empty, converted by blocks_from_csr on the GPU, run and equal the fp32 reference."""
-    needs(backend)
-    if backend == "fa3":
-        from flash_attn_sparse.backends import fa3_ops
-        if reason := fa3_ops.missing_build():
-            pytest.skip(reason)
-    seqlen_q, q_block = 256, 128
-    m_blocks = -(-seqlen_q // q_block)
-    g = torch.Generator().manual_seed(table_heads)
-    rows = [torch.randperm(N_BLOCKS, generator=g)[:int(torch.randint(0, N_BLOCKS + 1, (1,), generator=g))].tolist()
-            for _ in range(B * table_heads * m_blocks)]
-    indptr = torch.tensor([0] + [len(row) for row in rows]).cumsum(0).to(device="cuda", dtype=torch.int32)
-    indices = torch.tensor([i for row in rows for i in row], dtype=torch.int32, device="cuda")
-    blocks = fas.blocks_from_csr(indptr, indices, block_size=BS, q_block_size=q_block, num_heads=table_heads, batch=B,
-                                 max_row_length=N_BLOCKS)
-    q, k, v = random_qkv(B, seqlen_q, SK, H, HK, D, torch.bfloat16, generator=torch.Generator(device="cuda").manual_seed(3))
-    try:
-        out, lse = fas.flash_attn_with_sparse_block_table(q, k, v, blocks, backend=backend)
-    except fas.SparseInputError as refusal:  # a backend may refuse a list shape, by name, before any kernel
-        assert backend != "fa2", refusal
-        pytest.skip(f"{backend} refuses: {refusal}")
-    row = lambda b, h, m: rows[(b * table_heads + h) * m_blocks + m]  # noqa: E731
-    visible = torch.stack([visibility_from_lists([[row(b, h, m) for m in range(m_blocks)] for h in range(table_heads)], None,
-                                                 BS, q_block, seqlen_q, SK, H, causal=False, device="cuda") for b in range(B)])
     assert_close_to_reference(out, lse, q, k, v, visible)
 
 
