@@ -14,12 +14,21 @@ Prints one summary line per tool, the kinds of report and where (function, file:
 line that launched it; most frequent first), and exits non-zero if any tool reports an error
 other than the CUDA runtime's benign cuGetProcAddress probes in this series' cases; --raw DIR
 keeps each tool's whole output there.
+
+Racecheck reports upstream FA-3's hand-off of the next tile index between its producer warp and
+consumer warpgroups (tile_scheduler.hpp), ordered by named barriers (bar.sync / bar.arrive).
+Before the tools run, tests/sanitizer_probes/named_barrier_handoff.cu (that protocol reduced to
+one shared int, and a racy control without the barriers) is built and run under racecheck: only
+when the tool reports the ordered probe (and the racy control) are races whose every site is that
+hand-off set apart as the tool's, counted and printed, not failures.
 """
 
 import collections
 import re
+import shutil
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import torch
@@ -191,7 +200,8 @@ def short_name(signature: str) -> str:
 def reports(output: str) -> collections.Counter:
     """(what, where) -> count of the tool's reports: the report's first line (sizes and addresses
     dropped); where: the API call, or the function (file:line where the tool gives it) and the
-    innermost Python frame of the launch (whose code launched it: a test's reference or a kernel)."""
+    innermost Python frame of the launch (whose code launched it: a test's reference or a kernel);
+    a race names both its sites, "A with B"."""
     found, lines = collections.Counter(), output.splitlines()
     for i, line in enumerate(lines):
         match = REPORT.match(line)
@@ -206,16 +216,56 @@ def reports(output: str) -> collections.Counter:
             if REPORT.match(following) or re.match(r"^========= (ERROR|RACECHECK) SUMMARY", following):
                 break
             body.append(following)
-        at = next((m for m in (re.search(r" at (.+?)\+0x[0-9a-f]+(?: in (\S+:\d+))?", b) for b in body) if m), None)
-        where = (short_name(at.group(1)) + (f" ({at.group(2)})" if at.group(2) else "")) if at else "?"
+        sites = [m for m in (re.search(r" at (.+?)\+0x[0-9a-f]+(?: in (\S+:\d+))?", b) for b in body) if m]
+        sites = sites[:2] if "Race reported" in match.group(1) else sites[:1]
+        where = " with ".join(short_name(at.group(1)) + (f" ({at.group(2)})" if at.group(2) else "") for at in sites) or "?"
         python = next((m.group(1) for m in (re.search(r"Host Frame: (\w+ in [\w.]+\.py:\d+)", b) for b in body) if m), None)
         found[(match.group(1), f"{where}, launched from {python}" if python else where)] += 1
     return found
 
 
-def sanitize(command, raw_dir=None, label="sanitize") -> int:
+PROBE = Path(__file__).resolve().parent / "sanitizer_probes" / "named_barrier_handoff.cu"
+HANDOFF_SITE = re.compile(r"^flash::(Varlen)?DynamicPersistentTileScheduler::get_next_work \(\S*tile_scheduler\.hpp:\d+\)$")
+
+
+def is_scheduler_handoff(what: str, where: str) -> bool:
+    """A race whose every site is upstream FA-3's tile-index hand-off (get_next_work of its dynamic
+    schedulers: their only shared-memory access is that slot)."""
+    return "Race reported" in what and all(HANDOFF_SITE.match(site) for site in where.split(" with "))
+
+
+def racecheck_misreads_named_barriers(raw_dir=None) -> bool:
+    """Build and run the probe under racecheck: True when the tool reports races in the ordered
+    hand-off as well as in the racy control, i.e. it does not credit bar.arrive -> bar.sync."""
+    nvcc = shutil.which("nvcc") or "/usr/local/cuda/bin/nvcc"
+    counts = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        binary = Path(tmp) / PROBE.stem
+        build = subprocess.run([nvcc, "-arch=sm_90a", "-O2", "-lineinfo", "-o", str(binary), str(PROBE)],
+                               capture_output=True, text=True)
+        if build.returncode:
+            print(f"racecheck probe: nvcc failed ({build.stderr.strip()[-300:]}); no report is set apart", flush=True)
+            return False
+        for form in ("ordered", "racy"):
+            run = subprocess.run(["compute-sanitizer", "--tool", "racecheck", str(binary), form], capture_output=True, text=True)
+            if raw_dir:
+                (Path(raw_dir) / f"probe-racecheck-{form}.txt").write_text(run.stdout + run.stderr)
+            counts[form] = sum(n for (what, _), n in reports(run.stdout).items() if "Race reported" in what)
+            if form == "ordered" and run.returncode:
+                print(f"racecheck probe: the ordered hand-off ran wrong (exit {run.returncode}); no report is set apart")
+                return False
+    misreads = counts["ordered"] > 0 and counts["racy"] > 0
+    print(f"racecheck probe ({PROBE.name}): {counts['ordered']} race reports on the ordered named-barrier hand-off, "
+          f"{counts['racy']} on the racy control -> "
+          + ("the tool does not credit bar.arrive -> bar.sync; upstream's scheduler hand-off races are set apart"
+             if misreads else "the probe does not excuse the scheduler hand-off"), flush=True)
+    return misreads
+
+
+def sanitize(command, raw_dir=None, label="sanitize", excuse_handoff=False) -> int:
     """Each tool over `command`: clean when it exits 0 and reports nothing but benign API errors
-    (their count is printed). Prints the kinds of report and where, most frequent first."""
+    (their count is printed) and, with excuse_handoff (the probe's verdict), races of upstream's
+    scheduler hand-off (counted apart). Prints the kinds of report and where, most frequent first."""
     failed = 0
     for tool in ("memcheck", "racecheck", "initcheck"):
         run = subprocess.run(["compute-sanitizer", "--tool", tool, "--print-limit", "400", *command],
@@ -230,12 +280,15 @@ def sanitize(command, raw_dir=None, label="sanitize") -> int:
         summary = [line for line in run.stdout.splitlines() if re.search(r"(ERROR|RACECHECK) SUMMARY", line)]
         found = reports(run.stdout)
         is_benign = lambda what, where: what.startswith("Program hit") and where.startswith(BENIGN_API_ERRORS)  # noqa: E731
+        is_excused = lambda what, where: excuse_handoff and is_scheduler_handoff(what, where)  # noqa: E731
         benign = sum(n for (what, where), n in found.items() if is_benign(what, where))
-        real = {key: n for key, n in found.items() if not is_benign(*key)}
+        excused = sum(n for (what, where), n in found.items() if is_excused(what, where))
+        real = {key: n for key, n in found.items() if not is_benign(*key) and not is_excused(*key)}
         clean = run.returncode == 0 and bool(summary) and not real
         failed += not clean
         print(f"{tool}: {'clean' if clean else 'FOUND ERRORS'} ({summary[-1].strip('= ') if summary else run.stdout[-300:]}; "
-              f"{benign} benign API errors of {', '.join(BENIGN_API_ERRORS)} among the printed reports)")
+              f"{benign} benign API errors of {', '.join(BENIGN_API_ERRORS)} among the printed reports"
+              + (f"; {excused} races of upstream's scheduler hand-off set apart by the probe" if excused else "") + ")")
         for (what, where), n in sorted(real.items(), key=lambda item: -item[1])[:8]:
             print(f"  {n} x {what} at {where}")
     return 1 if failed else 0
@@ -258,13 +311,15 @@ if __name__ == "__main__":
     if "--cases" in sys.argv:
         cases()
     elif "--fuzz-subset" in sys.argv:
-        sys.exit(sanitize(fuzz_subset_command(sys.argv), raw_dir(sys.argv)))
+        excuse = racecheck_misreads_named_barriers(raw_dir(sys.argv))
+        sys.exit(sanitize(fuzz_subset_command(sys.argv), raw_dir(sys.argv), excuse_handoff=excuse))
     elif "--upstream-fa3-cases" in sys.argv:
         upstream_fa3_cases()
     else:
-        failed = sanitize([sys.executable, __file__, "--cases"], raw_dir(sys.argv))
+        excuse = racecheck_misreads_named_barriers(raw_dir(sys.argv))
+        failed = sanitize([sys.executable, __file__, "--cases"], raw_dir(sys.argv), excuse_handoff=excuse)
         from flash_attn_sparse.backends import fa3_ops
         if fa3_ops.missing_build() is None:
             print("upstream FA-3's dense calls, alone (what they report is not this series'):", flush=True)
-            sanitize([sys.executable, __file__, "--upstream-fa3-cases"], raw_dir(sys.argv), label="upstream-fa3")
+            sanitize([sys.executable, __file__, "--upstream-fa3-cases"], raw_dir(sys.argv), label="upstream-fa3")  # not excused
         sys.exit(failed)
