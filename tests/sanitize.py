@@ -24,6 +24,7 @@ hand-off set apart as the tool's, counted and printed, not failures.
 """
 
 import collections
+import os
 import re
 import shutil
 import subprocess
@@ -38,9 +39,13 @@ from flash_attn_sparse import SparseBlocks
 from flash_attn_sparse.metadata import pack_varlen_lists
 
 
-def cases():
+def cases(only_fa3=False):
     g = torch.Generator(device="cuda").manual_seed(0)
     randn = lambda *shape: torch.randn(*shape, generator=g, device="cuda").bfloat16()
+    if only_fa3:
+        fa3_cases(randn)
+        torch.cuda.synchronize()
+        return
     batch, seqlen_q, seqlen_k, heads, heads_k, dim, block = 2, 16, 1000, 4, 2, 128, 64
     q, k, v = randn(batch, seqlen_q, heads, dim), randn(batch, seqlen_k, heads_k, dim), randn(batch, seqlen_k, heads_k, dim)
     n_blocks = -(-seqlen_k // block)
@@ -224,6 +229,7 @@ def reports(output: str) -> collections.Counter:
     return found
 
 
+TOOLS = ("memcheck", "racecheck", "initcheck")
 PROBE = Path(__file__).resolve().parent / "sanitizer_probes" / "named_barrier_handoff.cu"
 HANDOFF_SITE = re.compile(r"^flash::(Varlen)?DynamicPersistentTileScheduler::get_next_work \(\S*tile_scheduler\.hpp:\d+\)$")
 
@@ -262,14 +268,14 @@ def racecheck_misreads_named_barriers(raw_dir=None) -> bool:
     return misreads
 
 
-def sanitize(command, raw_dir=None, label="sanitize", excuse_handoff=False) -> int:
+def sanitize(command, raw_dir=None, label="sanitize", excuse_handoff=False, tools=TOOLS, env=None) -> int:
     """Each tool over `command`: clean when it exits 0 and reports nothing but benign API errors
     (their count is printed) and, with excuse_handoff (the probe's verdict), races of upstream's
     scheduler hand-off (counted apart). Prints the kinds of report and where, most frequent first."""
     failed = 0
-    for tool in ("memcheck", "racecheck", "initcheck"):
+    for tool in tools:
         run = subprocess.run(["compute-sanitizer", "--tool", tool, "--print-limit", "400", *command],
-                             capture_output=True, text=True)
+                             capture_output=True, text=True, env=env)
         if raw_dir:
             (Path(raw_dir) / f"{label}-{tool}.txt").write_text(run.stdout[-4_000_000:] + run.stderr[-100_000:])
         cases = re.search(r"configurations run: (\d+)", run.stdout)
@@ -294,6 +300,10 @@ def sanitize(command, raw_dir=None, label="sanitize", excuse_handoff=False) -> i
     return 1 if failed else 0
 
 
+def option(argv, name, default=None):
+    return argv[argv.index(name) + 1] if name in argv else default
+
+
 def fuzz_subset_command(argv) -> list:
     position = argv.index("--fuzz-subset")
     count = argv[position + 1] if len(argv) > position + 1 else "60"
@@ -308,18 +318,27 @@ def raw_dir(argv):
 
 
 if __name__ == "__main__":
+    # --tools a,b: a subset of TOOLS; --only fa3: FA-3's cases alone; --module-loading eager: the
+    # sanitized process loads every CUDA module at start (CUDA_MODULE_LOADING=EAGER), so the tool
+    # knows a lazily loaded module's functions at its first launch.
+    tools = tuple(option(sys.argv, "--tools", ",".join(TOOLS)).split(","))
+    loading = option(sys.argv, "--module-loading")
+    env = {**os.environ, "CUDA_MODULE_LOADING": loading.upper()} if loading else None
     if "--cases" in sys.argv:
-        cases()
+        cases(only_fa3=option(sys.argv, "--only") == "fa3")
     elif "--fuzz-subset" in sys.argv:
         excuse = racecheck_misreads_named_barriers(raw_dir(sys.argv))
-        sys.exit(sanitize(fuzz_subset_command(sys.argv), raw_dir(sys.argv), excuse_handoff=excuse))
+        sys.exit(sanitize(fuzz_subset_command(sys.argv), raw_dir(sys.argv), excuse_handoff=excuse, tools=tools, env=env))
     elif "--upstream-fa3-cases" in sys.argv:
         upstream_fa3_cases()
     else:
         excuse = racecheck_misreads_named_barriers(raw_dir(sys.argv))
-        failed = sanitize([sys.executable, __file__, "--cases"], raw_dir(sys.argv), excuse_handoff=excuse)
+        only = ["--only", option(sys.argv, "--only")] if "--only" in sys.argv else []
+        label = f"sanitize-{loading}" if loading else "sanitize"
+        failed = sanitize([sys.executable, __file__, "--cases", *only], raw_dir(sys.argv), label, excuse, tools, env)
         from flash_attn_sparse.backends import fa3_ops
         if fa3_ops.missing_build() is None:
             print("upstream FA-3's dense calls, alone (what they report is not this series'):", flush=True)
-            sanitize([sys.executable, __file__, "--upstream-fa3-cases"], raw_dir(sys.argv), label="upstream-fa3")  # not excused
+            sanitize([sys.executable, __file__, "--upstream-fa3-cases"], raw_dir(sys.argv), "upstream-fa3", tools=tools,
+                     env=env)  # not excused
         sys.exit(failed)

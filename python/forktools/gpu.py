@@ -317,6 +317,8 @@ def add_parser(commands) -> None:
     command.add_argument("--no-fa3", action="store_true", help="build and install without the FA-3 (flash_attn_3) wheel")
     command.add_argument("--upstream-fa3-k", default="test_flash_attn_output and not paged",
                          help="upstream-fa3 step: pytest -k over hopper/test_flash_attn.py")
+    command.add_argument("--sanitize-args", default="", metavar="ARGS",
+                         help="sanitize step: more tests/sanitize.py arguments (--tools, --only fa3, --module-loading eager)")
     command.add_argument("--sanitize-fuzz-count", type=int, default=30, metavar="N",
                          help="sanitize-fuzz's configurations (30 took 237 s for the three tools on the H200, run 96)")
     command.add_argument("--fuzz-seed", type=int, default=0)

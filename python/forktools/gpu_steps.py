@@ -112,7 +112,7 @@ def fa3_mutation(session) -> str:
 
 def sanitize(session) -> str:
     log = session.logs / "sanitize.log"
-    session.run([PY, "tests/sanitize.py", "--raw", session.logs], output=log, timeout=300)
+    session.run([PY, "tests/sanitize.py", "--raw", session.logs, *session.options.sanitize_args.split()], output=log, timeout=300)
     return "sanitize: " + ";".join(session.read(log).splitlines())
 
 
