@@ -16,9 +16,10 @@ launch gaps included), and host_us, the median over 200 calls of one call's host
 on an idle GPU and not waiting for it (what the call costs the CPU); NaN where that timing failed.
 plan_run <backend> times SparsePlan.run (plans made outside the timing) against the API's call;
 *_dense_listed and cudnn_listed time dense FA-3 / FA-2 / cuDNN over a K/V gathered to exactly
-the listed keys (non-causal lists of one length); fa3_dense_listed_128 the same FA-3 call in
-the sparse path's 128-key tiles (upstream tiles non-causal keys by 176), at one query row, where
-causal=True hides no key. --pristine-fa4 (flash-attn-4 installed as
+the listed keys (non-causal lists of one length); fa3_dense_listed_128 the same FA-3 attention in
+the sparse path's 128 x 128 tile steps (upstream tiles non-causal keys by 176, causal ones by
+128): causal, each 128-row query tile its own batch entry reading its K/V by cache_batch_idx, so
+the mask touches only the last block, whose MMAs run all the same. --pristine-fa4 (flash-attn-4 installed as
 released, without this project's patches) runs only fa4_pristine_blocksparse: its own
 block-sparse call on the same lists in its form.
 
@@ -317,6 +318,24 @@ def keys_per_tile(lists) -> float:
     return BLOCK * sum(lengths) / len(lengths)
 
 
+def fa3_dense_128(q, seqlen_q):
+    """forward(k, v): dense FA-3 over k, v in the sparse path's 128 x 128 tile steps (see the
+    fa3_dense_listed_128 method), or why it cannot run."""
+    try:
+        from flash_attn_interface import flash_attn_with_kvcache
+    except Exception as error:  # no flash_attn_3 wheel, or one that does not load here
+        return f"flash_attn_interface is not importable: {type(error).__name__}: {error}"
+    if seqlen_q <= BLOCK:
+        return lambda k, v: flash_attn_with_kvcache(q, k, v, causal=True, num_splits=0)
+    if seqlen_q % BLOCK:
+        return f"{seqlen_q} query rows are neither one tile nor whole 128-row tiles"
+    batch, _, heads, dim = q.shape
+    tiles = seqlen_q // BLOCK
+    q_tiles = q.reshape(batch * tiles, BLOCK, heads, dim)
+    kv_batch = torch.arange(batch, dtype=torch.int32, device=q.device).repeat_interleave(tiles)
+    return lambda k, v: flash_attn_with_kvcache(q_tiles, k, v, cache_batch_idx=kv_batch, causal=True, num_splits=0)
+
+
 def fa3_dense_forward():
     """(forward, None): upstream FA-3's dense flash_attn_interface.flash_attn_func (the flash_attn_3
     wheel) returning out only, as its versions return out or (out, lse); or (None, why not)."""
@@ -524,14 +543,18 @@ def bench_shape(shape, roofline, rows, methods, pristine=False):
         elif listed:
             add("fa3_dense_listed", rotating([lambda kl=kl, vl=vl: fa3_dense(q, kl, vl, causal=False) for kl, vl in listed]),
                 "dense FA-3 over K/V gathered to the listed keys")
-    if "fa3_dense_listed_128" in methods and listed and shape.seqlen_q == 1:
+    if "fa3_dense_listed_128" in methods and listed:
         # FA-3 tiles non-causal hdim-128 keys by 176 and causal ones by 128 (tile_size.h), the
-        # sparse path by its 128-key blocks: at one query row the bottom-right causal mask hides
-        # no key, so the causal call is the same dense attention in the sparse path's tile shape.
-        fa3_dense, why_not = fa3_dense_forward()
-        if fa3_dense is not None:
-            add("fa3_dense_listed_128", rotating([lambda kl=kl, vl=vl: fa3_dense(q, kl, vl, causal=True) for kl, vl in listed]),
-                "dense FA-3 over K/V gathered to the listed keys, 128-key tiles (causal at one query row)")
+        # sparse path by its 128-key blocks. A causal call over the listed keys runs the same
+        # 128 x 128 tile steps (the bottom-right mask hides part of the last block, whose MMAs
+        # still run): directly when the query rows fit one tile (Sq <= 128), else with each
+        # 128-row query tile a batch entry that reads its batch's K/V through cache_batch_idx.
+        dense_128 = fa3_dense_128(q, shape.seqlen_q)
+        if isinstance(dense_128, str):
+            print(f"  fa3_dense_listed_128: skipped: {dense_128}", flush=True)
+        else:
+            add("fa3_dense_listed_128", rotating([lambda kl=kl, vl=vl: dense_128(kl, vl) for kl, vl in listed]),
+                "dense FA-3 over K/V gathered to the listed keys in 128-key tiles (causal: the same tile steps)")
     if "fa2_dense_listed" in methods and listed:
         try:
             from flash_attn import flash_attn_func as fa2_dense
