@@ -611,3 +611,18 @@ def test_build_options_come_from_the_environment_so_posargs_stay_pytest_s(monkey
 def test_a_build_option_given_to_the_test_command_is_refused_with_its_spelling(capsys, tmp_path):
     assert main(["test", "-q", "--arch", "80"], root=tmp_path) == 1
     assert "FLASH_ATTN_SPARSE_ARCH=80 nox -s build test" in capsys.readouterr().err
+
+
+def test_unit_times_are_the_units_this_build_compiled_slowest_first(tmp_path):
+    from forktools import build
+    log = tmp_path / "build" / "temp" / ".ninja_log"
+    log.parent.mkdir(parents=True)
+    log.write_text("# ninja log v5\n0\t90000\t1\t/x/old_unit.o\th\n")  # an earlier build's line
+    before = build.ninja_log_lengths(tmp_path)
+    with log.open("a") as appended:
+        appended.write("# ninja log v5\n5\t120005\t1\t/x/flash_fwd_hdim128_bf16_sparse_sm90.o\th\n"
+                       "0\t80000\t1\t/x/flash_api.o\th\n")
+    assert build.unit_times(tmp_path, before) == [(120.0, "flash_fwd_hdim128_bf16_sparse_sm90.o"), (80.0, "flash_api.o")]
+    out = tmp_path / "units.txt"
+    build.report_unit_times(tmp_path, before, out)
+    assert out.read_text().splitlines()[0].split() == ["120.0", "s", "flash_fwd_hdim128_bf16_sparse_sm90.o"]

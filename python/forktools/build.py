@@ -92,7 +92,7 @@ def build(layout: Layout, profile: str = "dev", archs: list[str] | None = None,
     command = [sys.executable, "-m", "pip", "wheel", "--no-build-isolation", "--no-deps", "--no-index", "-v",
                "-w", str(dist), "."]
     print(f"build: {profile} profile, archs {','.join(archs)}, {env['MAX_JOBS']} jobs, version label {label}")
-    start = time.monotonic()
+    start, ninja_before = time.monotonic(), ninja_log_lengths(stage)
     returncode = _run_with_progress(command, stage, env, log_path)
     elapsed = time.monotonic() - start
     if returncode:
@@ -102,6 +102,7 @@ def build(layout: Layout, profile: str = "dev", archs: list[str] | None = None,
         raise ToolError(f"the build finished but no wheel with version label {label} is in {dist}")
     size_mb = wheels[-1].stat().st_size / 1e6
     print(f"build: {wheels[-1].relative_to(layout.root)} ({size_mb:.1f} MB) in {elapsed:.0f} s")
+    report_unit_times(stage, ninja_before, log_path.parent / f"units-{UPSTREAM}.txt")
     _finish_fa3(fa3_build, install)
     if install:
         install_wheel(wheels[-1])
@@ -176,6 +177,35 @@ def relay_tree(layout: Layout, stage: Path, name: str = UPSTREAM) -> None:
         (stage / relative).unlink(missing_ok=True)
     synced.write_text("\n".join(wanted) + "\n")
     print(f"build: {stage} has the patched tree ({changed} of {len(wanted)} files rewritten)")
+
+
+def ninja_log_lengths(tree: Path) -> dict[Path, int]:
+    """Lines in each ninja log under `tree` now: what a build appends after them is its own."""
+    return {log: len(log.read_text().splitlines()) for log in tree.rglob(".ninja_log")}
+
+
+def unit_times(tree: Path, before: dict[Path, int]) -> list[tuple[float, str]]:
+    """(seconds, unit) of each unit compiled under `tree` since `before` (ninja_log_lengths),
+    slowest first, from ninja's own log (.ninja_log: start and end in ms per target)."""
+    times = {}
+    for ninja_log in tree.rglob(".ninja_log"):
+        for line in ninja_log.read_text().splitlines()[before.get(ninja_log, 0):]:
+            fields = line.split("\t")
+            if not line.startswith("#") and len(fields) >= 4:
+                times[fields[3]] = (int(fields[1]) - int(fields[0])) / 1000
+    return sorted(((seconds, Path(target).name) for target, seconds in times.items()), reverse=True)
+
+
+def report_unit_times(tree: Path, before: dict[Path, int], out: Path) -> None:
+    """Write each unit's compile time to `out` and print the sum and the slowest three (where the
+    build's wall time goes: the units are compiled MAX_JOBS at a time)."""
+    times = unit_times(tree, before)
+    if not times:
+        return
+    out.write_text("".join(f"{seconds:8.1f} s  {unit}\n" for seconds, unit in times))
+    slowest = ", ".join(f"{unit} {seconds:.0f} s" for seconds, unit in times[:3])
+    print(f"build: {len(times)} units compiled, {sum(s for s, _ in times):.0f} s of compiler time; slowest {slowest} "
+          f"(all: {out.name})", flush=True)
 
 
 def _run_with_progress(command: list[str], cwd: Path, env: dict, log_path: Path, prefix: str = "") -> int:

@@ -90,7 +90,7 @@ def build(layout: Layout, profile: str = "dev", jobs: int | None = None, reuse: 
     command = [sys.executable, "-m", "pip", "wheel", "--no-build-isolation", "--no-deps", "--no-index", "-v",
                "-w", str(dist), "."]
     print(f"build fa3: {profile} profile, sm90a, {env['MAX_JOBS']} jobs, version label {label}", flush=True)
-    start = time.monotonic()
+    start, ninja_before = time.monotonic(), fa2_build.ninja_log_lengths(stage)
     returncode = fa2_build._run_with_progress(command, stage / "hopper", env, log_path, prefix="fa3 ")
     elapsed = time.monotonic() - start
     if returncode:
@@ -100,6 +100,7 @@ def build(layout: Layout, profile: str = "dev", jobs: int | None = None, reuse: 
         raise ToolError(f"the FA-3 build finished but no wheel with version label {label} is in {dist}")
     print(f"build fa3: {wheels[-1].relative_to(layout.root)} ({wheels[-1].stat().st_size / 1e6:.1f} MB) "
           f"in {elapsed:.0f} s", flush=True)
+    fa2_build.report_unit_times(stage, ninja_before, log_path.parent / f"units-{UPSTREAM}{'-mutant' if mutations else ''}.txt")
     return wheels[-1]
 
 
