@@ -6,9 +6,9 @@ For each backend present (fa2, fa3, fa4) and each shape it times, in one process
   eager model's launch stream costs the CPU);
 - eager ms per call (back-to-back calls, synchronized at the end) over the graph-replay ms, the
   ratio issue 27 bounds (one list set here, so L2 stays warm for both, unlike bench_sparse.py);
-- the parts: plan.run, the launch it makes alone (the FA-2 extension's SparseForward.run, the
-  FA-3 op's fwd_out overload), the plan's Python checks, and for scale a lone device copy and an
-  empty Python call;
+- the parts: plan.run, the launches alone (the extensions' SparseForward.run; on FA-3 also the
+  one-shot launcher through the extension's fwd_into, and the same launch through the op fwd_out's
+  dispatcher), the plan's Python checks, and for scale a lone device copy and an empty Python call;
 - the CUDA runtime calls inside 100 plan.run calls (torch.profiler's CPU-side events: count and
   mean us each), which says which driver calls a launch pays.
 
@@ -79,14 +79,26 @@ def runtime_calls(fn) -> str:
 
 
 def parts(backend, plan, q, k, v):
-    """The launch a plan's run makes, without its Python checks: (name, fn) or None."""
+    """The launches a plan's run or a one-shot call makes, without their Python: [(name, fn)]."""
     if backend == "fa2" and plan._planned is not None:
         planned, out = plan._planned, plan.out
-        return "SparseForward.run", lambda: planned.run(q, k, v, out)
-    if backend == "fa3":
-        launch, blocks, out = plan._launch, plan.blocks, plan.out
-        return "fa3 launcher (fwd_out)", lambda: launch(q, k, v, blocks, out)
-    return None
+        return [("SparseForward.run", lambda: planned.run(q, k, v, out))]
+    if backend != "fa3":
+        return []
+    from flash_attn_sparse.backends import fa3_ops
+    found, out, b = [], plan.out, plan.blocks
+    if plan._planned is not None:
+        planned = plan._planned
+        found.append(("SparseForward.run", lambda: planned.run(q, k, v, out)))
+    launch = plan._launch
+    found.append(("launcher", lambda: launch(q, k, v, b, out)))
+    # The same launch through the op's dispatcher (what the launcher paid before fwd_into).
+    args = fa3_ops.static_args(q, b, softmax_scale=plan._decision.call.scale, causal=plan._decision.call.causal,
+                               num_splits=plan.num_splits)
+    op_out = fa3_ops.op_out()
+    found.append(("op fwd_out", lambda: op_out(q, k, v, out, b.full_cnt, b.full_idx, b.mask_cnt, b.mask_idx,
+                                               b.cu_total_m_blocks, b.cu_block_idx_offsets, None, None, **args)))
+    return found
 
 
 def measure(shape, backend):
@@ -111,11 +123,8 @@ def measure(shape, backend):
     except Exception as error:  # a backend whose run cannot be captured: the other columns stand
         row["eager_ms"] = row["graph_ms"] = float("nan")
         row["graph_note"] = f"{type(error).__name__}: {str(error)[:80]}"
-    launch = parts(backend, plan, q, k, v)
-    if launch:
-        row["launch_name"] = launch[0]
-        row["launch_after_sync_us"] = host_us_after_sync(launch[1])
-        row["launch_back_to_back_us"] = back_to_back_us(launch[1])
+    row["launches"] = [dict(name=name, after_sync_us=host_us_after_sync(fn), back_to_back_us=back_to_back_us(fn))
+                       for name, fn in parts(backend, plan, q, k, v)]
     row["checks_us"] = back_to_back_us(lambda: (facts(q), facts(k), facts(v)) == plan._facts)
     row["runtime_calls"] = runtime_calls(run)
     return row
@@ -129,8 +138,7 @@ def markdown(rows, copy_us, empty_us) -> str:
         if "note" in r:
             lines.append(f"| {r['shape']} | {r['backend']} | | {r['note']} | | | | | |")
             continue
-        launch = (f"{r['launch_after_sync_us']:.1f} / {r['launch_back_to_back_us']:.1f} ({r['launch_name']})"
-                  if "launch_name" in r else "")
+        launch = "; ".join(f"{p['after_sync_us']:.1f} / {p['back_to_back_us']:.1f} ({p['name']})" for p in r["launches"])
         lines.append(f"| {r['shape']} | {r['backend']} | {r['splits']} | {r['plan_run_after_sync_us']:.1f} / "
                      f"{r['plan_run_back_to_back_us']:.1f} | {r['one_shot_after_sync_us']:.1f} / "
                      f"{r['one_shot_back_to_back_us']:.1f} | {launch} | {r['checks_us']:.1f} | "

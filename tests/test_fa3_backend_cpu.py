@@ -1,6 +1,7 @@
 """The FA-3 backend's Python on the CPU: the host rules fa3_ops.refusal states before any op runs
-(as the C++ op would refuse them, never with its error), and the launcher's choice of fwd
-(allocates out) or fwd_out (writes the caller's out, no copy). The kernel itself: test_stage4_fa3_sparse.py."""
+(as the C++ op would refuse them, never with its error), and which entry point runs a call: the
+extension's fwd_into on the eager launcher, the ops fwd (allocates out) / fwd_out (writes the
+caller's out, no copy) on the traceable path. The kernel itself: test_stage4_fa3_sparse.py."""
 
 import pytest
 import torch
@@ -48,27 +49,58 @@ def test_without_sm90_the_backend_says_so():
     assert "sm90" in fa3_ops.refusal(q, k, lists(), varlen=False)
 
 
-@pytest.mark.parametrize("given_out", [False, True])
-def test_the_launcher_writes_a_given_out_in_place_and_allocates_otherwise(monkeypatch, given_out):
-    q, k, v = qkv()
-    launched = []
-
+def fake_ops(monkeypatch, launched, with_direct):
+    """The op fwd, op fwd_out and the extension's fwd_into, each recording its call and writing 1s."""
     def fwd(q, k, v, *tensors, **options):
         launched.append(("fwd", options))
-        return torch.zeros_like(q), torch.zeros(B, H, SQ)
+        return torch.ones_like(q), torch.zeros(B, H, SQ)
 
     def fwd_out(q, k, v, out, *tensors, **options):
         launched.append(("fwd_out", options))
         out.fill_(1)
         return torch.zeros(B, H, SQ)
 
+    def fwd_into(*positional, **named):
+        assert not positional, "the extension's entry point takes every argument by name"
+        launched.append(("fwd_into", named))
+        named["out"].fill_(1)
+        return torch.zeros(B, H, SQ)
+
     monkeypatch.setattr(calls, "require_cuda", lambda q: None)
     monkeypatch.setattr(fa3_ops, "op", lambda: fwd)
     monkeypatch.setattr(fa3_ops, "op_out", lambda: fwd_out)
+    monkeypatch.setattr(fa3_ops, "direct", lambda: fwd_into if with_direct else None)
+
+
+@pytest.mark.parametrize("with_direct", [True, False])
+@pytest.mark.parametrize("given_out", [False, True])
+def test_the_launcher_writes_a_given_out_in_place_and_allocates_otherwise(monkeypatch, given_out, with_direct):
+    """The eager launcher goes through the extension's fwd_into (every argument named), or the op
+    fwd_out for a build without it; either way into the given out, else a new one."""
+    q, k, v = qkv()
+    launched = []
+    fake_ops(monkeypatch, launched, with_direct)
     call = calls.SparseCall(q, k, v, lists(), causal=False, softmax_scale=None, num_splits=2, backend="fa3")
-    out = torch.empty_like(q) if given_out else None
+    out = torch.zeros_like(q) if given_out else None
     result, lse = fa3.launcher(call, 2)(q, k, v, call.effective_blocks(), out)
     ((name, options),) = launched
+    assert name == ("fwd_into" if with_direct else "fwd_out") and options["num_splits"] == 2
+    if with_direct:
+        assert {"q", "k", "v", "out", "full_cnt", "full_idx", "mask_cnt", "mask_idx", "cu_total_m_blocks",
+                "cu_block_idx_offsets", "cu_seqlens_q", "cu_seqlens_k", "max_seqlen_q", "max_seqlen_k", "softmax_scale",
+                "block_size", "q_block_size", "causal", "num_splits", "pack_gqa"} == options.keys()
+    assert (result is out) == given_out and result.shape == q.shape and bool((result == 1).all())
+
+
+@pytest.mark.parametrize("given_out", [False, True])
+def test_run_goes_through_the_ops(monkeypatch, given_out):
+    """The uncached path (the one torch.compile traces) calls the op fwd, or fwd_out into a given out."""
+    q, k, v = qkv()
+    launched = []
+    fake_ops(monkeypatch, launched, with_direct=True)
+    call = calls.SparseCall(q, k, v, lists(), causal=False, softmax_scale=None, num_splits=2, backend="fa3")
+    out = torch.zeros_like(q) if given_out else None
+    result, lse = fa3.run(call, 2, out)
+    ((name, options),) = launched
     assert name == ("fwd_out" if given_out else "fwd") and options["num_splits"] == 2
-    if given_out:
-        assert result is out and bool((out == 1).all())
+    assert (result is out) == given_out and bool((result == 1).all())

@@ -299,7 +299,8 @@ def test_a_fa2_plan_runs_the_extensions_planned_forward(fake_gpu, monkeypatch):
 
 def test_a_fa3_plan_runs_the_extensions_planned_forward(fake_gpu, monkeypatch):
     """On fa3 a plan makes the op's SparseForward once with every argument by name (fwd_out's) and
-    each run passes only q, k, v and out; an out of other strides goes through fwd_out instead,
+    each run passes only q, k, v and out; an out of other strides goes through the extension's
+    fwd_into (fwd_out's arguments by name) instead,
     and tensors the planned forward refuses are named by the plan's own check."""
     from flash_attn_sparse.backends import fa3, fa3_ops
     made, runs, outs = [], [], []
@@ -315,13 +316,16 @@ def test_a_fa3_plan_runs_the_extensions_planned_forward(fake_gpu, monkeypatch):
             runs.append((q, k, v, out))
             return torch.zeros(q.shape[0], q.shape[2], q.shape[1])
 
-    def fwd_out(q, k, v, out, *tensors, **options):
-        outs.append(out)
+    def fwd_into(*positional, **named):  # the extension's eager entry point: every argument by name
+        assert not positional and set(made[0]) == set(named)
+        outs.append(named["out"])
+        q = named["q"]
         return torch.zeros(q.shape[0], q.shape[2], q.shape[1])
 
     monkeypatch.setattr(fa3, "refusal", lambda call: None)  # no SM90 here
     monkeypatch.setattr(fa3_ops, "planner", lambda: FakeSparseForward)
-    monkeypatch.setattr(fa3_ops, "op_out", lambda: fwd_out)
+    monkeypatch.setattr(fa3_ops, "direct", lambda: fwd_into)
+    monkeypatch.setattr(fa3_ops, "op_out", lambda: None)
     monkeypatch.setattr(fa3_ops, "op", lambda: None)
     q, k, v = qkv()
     plan = fas.SparsePlan(q, k, v, torch.tensor([0, 3], dtype=torch.int32), block_size=128, backend="fa3", num_splits=2)

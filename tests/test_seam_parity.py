@@ -99,3 +99,29 @@ def test_tile_keys_match_sparse_max_tile_keys():
     for head_dim in range(8, 257, 8):
         expected = small if head_dim <= first else (middle if head_dim <= second else large)
         assert fa2.tile_n(head_dim, decode=False) == expected
+
+
+FA3_HOST = ROOT / "patches/overlay/flash-attn-3/hopper/flash_api_sparse.cpp"
+
+
+def _fa3_schema_names(op: str):
+    """The argument names of the op `op` in flash_api_sparse.cpp's TORCH_LIBRARY schema."""
+    text = re.sub(r'"\s*\n\s*"', "", FA3_HOST.read_text())  # join the schema's string pieces
+    schema = re.search(rf'm\.def\("{op}\((.*?)\) ->', text).group(1)
+    return [part.split("=")[0].split()[-1] for part in schema.split(",") if part.strip() != "*"]
+
+
+def _fa3_pybind_names(anchor: str):
+    """The py::arg names after `anchor` (a binding's first line), up to the binding's end."""
+    text = FA3_HOST.read_text()
+    body = text[text.index(anchor):]
+    end = min(i for i in (body.find(");"), body.find('.def("run"')) if i >= 0)
+    return re.findall(r'py::arg\("(\w+)"\)', body[:end])
+
+
+@pytest.mark.parametrize("anchor", ['m.def("fwd_into"', "py::init<"])
+def test_fa3_eager_entry_points_take_the_op_fwd_outs_names_in_order(anchor):
+    """flash_attn_3._C's fwd_into and SparseForward (pybind11) take fwd_out's arguments, named alike,
+    so the launcher and the plan hand them the op's keyword set."""
+    assert _fa3_pybind_names(anchor) == _fa3_schema_names("fwd_out")
+    assert _fa3_schema_names("fwd_out") == ["q", "k", "v", "out"] + [n for n in _fa3_schema_names("fwd") if n not in "qkv"]

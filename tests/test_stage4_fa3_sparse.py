@@ -112,9 +112,10 @@ def test_forced_splits(num_splits, table):
 
 @pytest.mark.parametrize("num_splits,causal", [(1, False), (1, True), (4, False)])
 def test_fwd_out_writes_a_given_strided_out_as_fwd_allocates_it(num_splits, causal):
-    """fwd_out (a plan's run, an out= call) writes into a NaN-poisoned out that is a strided view
-    of a larger tensor, bitwise what fwd returns, touching nothing outside the view; split calls
-    (no tile counter) and the persistent scheduler's (counter zeroed per call) alike, twice."""
+    """fwd_out (an out= call) and the extension's fwd_into (the eager launcher's) write into a
+    NaN-poisoned out that is a strided view of a larger tensor, bitwise what fwd returns, touching
+    nothing outside the view; split calls (no tile counter) and the persistent scheduler's (counter
+    zeroed per call) alike, twice each."""
     batch, heads, heads_k, seqlen_q, seqlen_k, q_block = 2, 8, 2, 200, 3000, 128
     rng = random.Random(31 + num_splits + causal)
     q, k, v = make_qkv(batch, seqlen_q, seqlen_k, heads, heads_k, 128, torch.bfloat16, seed=rng.randrange(1 << 30))
@@ -127,8 +128,14 @@ def test_fwd_out_writes_a_given_strided_out_as_fwd_allocates_it(num_splits, caus
     wide = torch.full((batch, seqlen_q, heads + 3, 128), float("nan"), dtype=q.dtype, device="cuda")
     out = wide[:, :, 1:heads + 1]
     fwd_out = torch.ops.flash_attn_3_sparse.fwd_out
-    for _ in range(2):
-        lse = fwd_out(q, k, v, out, full_cnt, full_idx, None, None, None, None, None, None, None, None, **options)
+    from flash_attn_3._C import fwd_into  # the module loaded by the skip check above
+    named = dict(q=q, k=k, v=v, out=out, full_cnt=full_cnt, full_idx=full_idx, mask_cnt=None, mask_idx=None,
+                 cu_total_m_blocks=None, cu_block_idx_offsets=None, cu_seqlens_q=None, cu_seqlens_k=None,
+                 max_seqlen_q=None, max_seqlen_k=None, block_size=BLOCK, pack_gqa=None, **options)
+    for run in [lambda: fwd_out(q, k, v, out, full_cnt, full_idx, None, None, None, None, None, None, None, None,
+                                **options), lambda: fwd_into(**named)] * 2:
+        out.fill_(float("nan"))
+        lse = run()
         torch.cuda.synchronize()
         assert torch.equal(out, want) and torch.equal(lse, want_lse)
     assert wide[:, :, 0].isnan().all() and wide[:, :, heads + 1:].isnan().all()

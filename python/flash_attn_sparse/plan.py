@@ -30,8 +30,8 @@ class SparsePlan:
     the checked parameters and the LSE and split buffers, and run only swaps in q, k, v and out
     and launches (no argument parsing, no allocation, no host sync; capturable in a CUDA graph);
     its lse is the plan's buffer, overwritten by the next run, like the default out. On FA-3 the
-    same with the extension's SparseForward (backends/fa3.planned; a build without it calls
-    the op's overload with its arguments bound, backends/fa3.launcher). On the FA-4
+    same with flash_attn_3._C's SparseForward (backends/fa3.planned; a build without it, or an
+    out of other strides, goes through backends/fa3.launcher, the extension's fwd_into). On the FA-4
     backend a batched plan converts the lists to flash-attn-4's block-sparse tensors (views)
     once and run calls flash-attn-4's forward (its own Python dispatch and compile-cache lookup
     remain, and it allocates its output, copied into out); a varlen FA-4 plan converts its lists

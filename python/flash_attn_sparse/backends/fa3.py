@@ -10,6 +10,7 @@ the op does not take.
 
 from typing import Callable, Optional, Tuple
 
+import torch
 from torch import Tensor
 
 from . import fa3_ops
@@ -40,19 +41,26 @@ def _bound_args(call, splits: int) -> dict:
 
 def launcher(call, splits: int) -> Callable:
     """launch(q, k, v, blocks, out, **tensors) -> (out, lse): this call's forward over new tensors
-    of the same facts, the op's other arguments bound here once (as fa2.launcher). A given `out`
-    is written in place (fwd_out), else the op allocates it (fwd)."""
+    of the same facts, the op's other arguments bound here once (as fa2.launcher); eager only
+    (the one-shot cache's hit path and a plan's run). Into a given `out`, else a new one; through
+    the extension's fwd_into, or the op fwd_out for a build without it."""
     bound = _bound_args(call, splits)
-    op, op_out = fa3_ops.op(), fa3_ops.op_out()
+    forward = fa3_ops.direct()
+    if forward is None:
+        op_out = fa3_ops.op_out()
+
+        def forward(q, k, v, out, full_cnt, full_idx, mask_cnt, mask_idx, cu_total_m_blocks, cu_block_idx_offsets,
+                    cu_seqlens_q, cu_seqlens_k, **options):
+            return op_out(q, k, v, out, full_cnt, full_idx, mask_cnt, mask_idx, cu_total_m_blocks,
+                          cu_block_idx_offsets, cu_seqlens_q, cu_seqlens_k, **options)
 
     def launch(q, k, v, blocks, out, cu_seqlens_q=None, cu_seqlens_k=None, seqused_k=None, page_table=None):
         if out is None:
-            return op(q, k, v, blocks.full_cnt, blocks.full_idx, blocks.mask_cnt, blocks.mask_idx,
-                      blocks.cu_total_m_blocks, blocks.cu_block_idx_offsets, cu_seqlens_q=cu_seqlens_q,
+            out = torch.empty_like(q)
+        lse = forward(q=q, k=k, v=v, out=out, full_cnt=blocks.full_cnt, full_idx=blocks.full_idx,
+                      mask_cnt=blocks.mask_cnt, mask_idx=blocks.mask_idx, cu_total_m_blocks=blocks.cu_total_m_blocks,
+                      cu_block_idx_offsets=blocks.cu_block_idx_offsets, cu_seqlens_q=cu_seqlens_q,
                       cu_seqlens_k=cu_seqlens_k, **bound)
-        lse = op_out(q, k, v, out, blocks.full_cnt, blocks.full_idx, blocks.mask_cnt, blocks.mask_idx,
-                     blocks.cu_total_m_blocks, blocks.cu_block_idx_offsets, cu_seqlens_q=cu_seqlens_q,
-                     cu_seqlens_k=cu_seqlens_k, **bound)
         return out, lse
     return launch
 
@@ -72,8 +80,13 @@ def planned(call, splits: int, out: Tensor):
 
 
 def run(call, splits: int, out: Optional[Tensor] = None) -> Tuple[Tensor, Tensor]:
-    """(out, lse); a given `out` is written in place."""
+    """(out, lse) through the ops (traceable); a given `out` is written in place."""
     varlen = call.varlen
-    return launcher(call, splits)(call.q, call.k, call.v, call.effective_blocks(), out,
-                                  cu_seqlens_q=call.cu_seqlens_q if varlen else None,
-                                  cu_seqlens_k=call.cu_seqlens_k if varlen else None)
+    blocks = call.effective_blocks()
+    tensors = (call.q, call.k, call.v, blocks.full_cnt, blocks.full_idx, blocks.mask_cnt, blocks.mask_idx,
+               blocks.cu_total_m_blocks, blocks.cu_block_idx_offsets)
+    options = dict(cu_seqlens_q=call.cu_seqlens_q if varlen else None,
+                   cu_seqlens_k=call.cu_seqlens_k if varlen else None, **_bound_args(call, splits))
+    if out is None:
+        return fa3_ops.op()(*tensors, **options)
+    return out, fa3_ops.op_out()(*tensors[:3], out, *tensors[3:], **options)

@@ -1,6 +1,7 @@
 """The FA-3 sparse SM90 forward, torch.ops.flash_attn_3_sparse.fwd and fwd_out (into a given out;
 patches/overlay/flash-attn-3/hopper/flash_api_sparse.cpp, built into upstream's flash_attn_3
-wheel by forktools build).
+wheel by forktools build), and for eager callers the same forward through flash_attn_3._C's
+pybind11 entry points (planner, direct), which skip the ops' schema parsing.
 
 sparse_fwd takes the SparseBlocks of the FA-2 path and returns (out, lse) in its layout: LSE
 (batch, heads, seqlen_q) batched, (heads, total_q) varlen. refusal() states, from shapes only,
@@ -98,13 +99,25 @@ def op_out():
     return torch.ops.flash_attn_3_sparse.fwd_out.default
 
 
+def _extension_attribute(name: str):
+    """flash_attn_3._C's pybind11 entry point `name`, or None for a build without it."""
+    try:
+        import flash_attn_3._C as extension
+    except ImportError:
+        return None
+    return getattr(extension, name, None)
+
+
 def planner():
     """The extension's class SparseForward (fwd_out's arguments by name, checked once; its
     run(q, k, v, out) launches and returns the LSE), or None for a build without it."""
-    try:
-        return torch.classes.flash_attn_3_sparse.SparseForward
-    except (AttributeError, RuntimeError):  # torch.classes raises RuntimeError for an unknown class
-        return None
+    return _extension_attribute("SparseForward")
+
+
+def direct():
+    """fwd_into(**fwd_out's arguments by name) -> LSE: fwd_out without the dispatcher's argument
+    parsing, for eager callers (not traceable), or None for a build without it."""
+    return _extension_attribute("fwd_into")
 
 
 def static_args(q: Tensor, blocks: SparseBlocks, *, softmax_scale: Optional[float] = None, causal: bool = False,

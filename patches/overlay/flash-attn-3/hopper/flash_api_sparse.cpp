@@ -1,9 +1,10 @@
 /******************************************************************************
- * Host entry points of the sparse SM90 forward: flash_attn_3_sparse::fwd (allocates out),
- * fwd_out (writes a given out) and the class SparseForward (planned once, run many times),
- * attention of each (batch, table head, query tile) over the K/V blocks its lists name (the
- * project's sparse contract, flash_attn_sparse/metadata.py), split-KV partials merged by
- * flash_fwd_combine.
+ * Host entry points of the sparse SM90 forward: the ops flash_attn_3_sparse::fwd (allocates
+ * out) and fwd_out (writes a given out), for torch.compile; and in the module flash_attn_3._C
+ * (pybind11) the class SparseForward (planned once, run many times) and fwd_into (fwd_out's
+ * call without the dispatcher), for eager callers. Attention of each (batch, table head, query
+ * tile) over the K/V blocks its lists name (the project's sparse contract,
+ * flash_attn_sparse/metadata.py), split-KV partials merged by flash_fwd_combine.
  *
  * The Python layer validates the lists' contents; here are the cheap checks (dtypes, shapes,
  * strides) and the kernels stay memory safe on bad contents (sparse_block_list.h).
@@ -12,8 +13,10 @@
 #include <c10/cuda/CUDAStream.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <ATen/ATen.h>
-#include <torch/custom_class.h>
 #include <torch/library.h>
+#include <torch/python.h>
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
 #include <cutlass/numeric_types.h>
 
 #include <cmath>
@@ -308,7 +311,7 @@ at::Tensor mha_fwd_sparse_into(
 // construction; run swaps in q, k, v and out, laid out as planned, and launches. The lists,
 // offsets and cu_seqlens are the caller's tensors, read at every run; the LSE is the plan's
 // buffer, overwritten by the next run.
-class SparseForward : public torch::CustomClassHolder {
+class SparseForward {
 public:
     SparseForward(at::Tensor q, at::Tensor k, at::Tensor v, at::Tensor out, at::Tensor full_cnt, at::Tensor full_idx,
                   c10::optional<at::Tensor> mask_cnt, c10::optional<at::Tensor> mask_idx,
@@ -409,21 +412,6 @@ at::Tensor mha_fwd_sparse_into_meta(
 }  // namespace
 
 TORCH_LIBRARY(flash_attn_3_sparse, m) {
-    m.class_<SparseForward>("SparseForward")
-        .def(torch::init<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor,
-                         c10::optional<at::Tensor>, c10::optional<at::Tensor>, c10::optional<at::Tensor>,
-                         c10::optional<at::Tensor>, c10::optional<at::Tensor>, c10::optional<at::Tensor>,
-                         c10::optional<int64_t>, c10::optional<int64_t>, double, int64_t, int64_t, bool, int64_t,
-                         c10::optional<bool>>(),
-             "A sparse forward planned once (fwd_out's arguments, by name); run(q, k, v, out) launches it",
-             {torch::arg("q"), torch::arg("k"), torch::arg("v"), torch::arg("out"), torch::arg("full_cnt"),
-              torch::arg("full_idx"), torch::arg("mask_cnt"), torch::arg("mask_idx"), torch::arg("cu_total_m_blocks"),
-              torch::arg("cu_block_idx_offsets"), torch::arg("cu_seqlens_q"), torch::arg("cu_seqlens_k"),
-              torch::arg("max_seqlen_q"), torch::arg("max_seqlen_k"), torch::arg("softmax_scale"),
-              torch::arg("block_size"), torch::arg("q_block_size"), torch::arg("causal"), torch::arg("num_splits"),
-              torch::arg("pack_gqa")})
-        .def("run", &SparseForward::run, "Launch over q, k, v into out; returns the plan's LSE",
-             {torch::arg("q"), torch::arg("k"), torch::arg("v"), torch::arg("out")});
     m.def("fwd(Tensor q, Tensor k, Tensor v, Tensor full_cnt, Tensor full_idx, Tensor? mask_cnt, Tensor? mask_idx, "
           "Tensor? cu_total_m_blocks, Tensor? cu_block_idx_offsets, Tensor? cu_seqlens_q, Tensor? cu_seqlens_k, "
           "int? max_seqlen_q, int? max_seqlen_k, *, float softmax_scale, int block_size=128, int q_block_size=128, "
@@ -443,4 +431,42 @@ TORCH_LIBRARY_IMPL(flash_attn_3_sparse, CUDA, m) {
 TORCH_LIBRARY_IMPL(flash_attn_3_sparse, Meta, m) {
     m.impl("fwd", &mha_fwd_sparse_meta);
     m.impl("fwd_out", &mha_fwd_sparse_into_meta);
+}
+
+// The eager entry points, bound with pybind11 into flash_attn_3._C by its PyInit__C (patch
+// flash-attn-3/0006): a call costs a few us less than through torch.classes or torch.ops, whose
+// argument parsing against a schema is most of the planned forward's host time. Named arguments,
+// as the ops'.
+int flash_sparse_add_python_api(PyObject *module) {
+    namespace py = pybind11;
+    try {
+        auto m = py::reinterpret_borrow<py::module_>(module);
+        py::class_<SparseForward>(m, "SparseForward",
+                                  "A sparse forward planned once (fwd_out's arguments, by name); run(q, k, v, out) launches it")
+            .def(py::init<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor,
+                          c10::optional<at::Tensor>, c10::optional<at::Tensor>, c10::optional<at::Tensor>,
+                          c10::optional<at::Tensor>, c10::optional<at::Tensor>, c10::optional<at::Tensor>,
+                          c10::optional<int64_t>, c10::optional<int64_t>, double, int64_t, int64_t, bool, int64_t,
+                          c10::optional<bool>>(),
+                 py::arg("q"), py::arg("k"), py::arg("v"), py::arg("out"), py::arg("full_cnt"), py::arg("full_idx"),
+                 py::arg("mask_cnt"), py::arg("mask_idx"), py::arg("cu_total_m_blocks"), py::arg("cu_block_idx_offsets"),
+                 py::arg("cu_seqlens_q"), py::arg("cu_seqlens_k"), py::arg("max_seqlen_q"), py::arg("max_seqlen_k"),
+                 py::kw_only(), py::arg("softmax_scale"), py::arg("block_size"), py::arg("q_block_size"),
+                 py::arg("causal"), py::arg("num_splits"), py::arg("pack_gqa"))
+            .def("run", &SparseForward::run, "Launch over q, k, v into out; returns the plan's LSE",
+                 py::arg("q"), py::arg("k"), py::arg("v"), py::arg("out"));
+        m.def("fwd_into", &mha_fwd_sparse_into, "fwd_out without the dispatcher: the forward into out; returns the LSE",
+              py::arg("q"), py::arg("k"), py::arg("v"), py::arg("out"), py::arg("full_cnt"), py::arg("full_idx"),
+              py::arg("mask_cnt"), py::arg("mask_idx"), py::arg("cu_total_m_blocks"), py::arg("cu_block_idx_offsets"),
+              py::arg("cu_seqlens_q"), py::arg("cu_seqlens_k"), py::arg("max_seqlen_q"), py::arg("max_seqlen_k"),
+              py::kw_only(), py::arg("softmax_scale"), py::arg("block_size"), py::arg("q_block_size"),
+              py::arg("causal"), py::arg("num_splits"), py::arg("pack_gqa"));
+    } catch (py::error_already_set &error) {
+        error.restore();
+        return -1;
+    } catch (std::exception const &error) {
+        PyErr_SetString(PyExc_ImportError, error.what());
+        return -1;
+    }
+    return 0;
 }
