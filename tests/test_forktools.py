@@ -622,7 +622,8 @@ def test_unit_times_are_the_units_this_build_compiled_slowest_first(tmp_path):
     with log.open("a") as appended:
         appended.write("# ninja log v5\n5\t120005\t1\t/x/flash_fwd_hdim128_bf16_sparse_sm90.o\th\n"
                        "0\t80000\t1\t/x/flash_api.o\th\n")
-    assert build.unit_times(tmp_path, before) == [(120.0, "flash_fwd_hdim128_bf16_sparse_sm90.o"), (80.0, "flash_api.o")]
+    assert build.unit_times(tmp_path, before) == [(120.0, "flash_fwd_hdim128_bf16_sparse_sm90.o", 0.005, 120.005),
+                                                  (80.0, "flash_api.o", 0.0, 80.0)]
     out = tmp_path / "units.txt"
     build.report_unit_times(tmp_path, before, out)
-    assert out.read_text().splitlines()[0].split() == ["120.0", "s", "flash_fwd_hdim128_bf16_sparse_sm90.o"]
+    assert out.read_text().splitlines()[0].split() == ["120.0", "s", "flash_fwd_hdim128_bf16_sparse_sm90.o", "(0-120", "s)"]

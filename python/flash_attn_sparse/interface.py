@@ -39,7 +39,7 @@ def choose(call: SparseCall) -> Tuple[str, str]:
     (a requested one that does is a SparseInputError naming its reason)."""
     if call.requested_backend == "fa2":
         return "fa2", "requested"
-    if call.requested_backend == "fa3":  # not chosen by auto until its crossovers are measured
+    if call.requested_backend == "fa3":  # auto does not choose it (backends/fa3.py says why)
         if reason := fa3.refusal(call):
             fail("backend", f"'fa3' cannot run this call: {reason}")
         return "fa3", "requested"

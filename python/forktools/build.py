@@ -184,27 +184,28 @@ def ninja_log_lengths(tree: Path) -> dict[Path, int]:
     return {log: len(log.read_text().splitlines()) for log in tree.rglob(".ninja_log")}
 
 
-def unit_times(tree: Path, before: dict[Path, int]) -> list[tuple[float, str]]:
-    """(seconds, unit) of each unit compiled under `tree` since `before` (ninja_log_lengths),
-    slowest first, from ninja's own log (.ninja_log: start and end in ms per target)."""
+def unit_times(tree: Path, before: dict[Path, int]) -> list[tuple[float, str, float, float]]:
+    """(seconds, unit, start, end) of each unit compiled under `tree` since `before`
+    (ninja_log_lengths), slowest first, from ninja's own log (.ninja_log: start and end in ms
+    since that ninja run began, so start and end say which units ran together and which came last)."""
     times = {}
     for ninja_log in tree.rglob(".ninja_log"):
         for line in ninja_log.read_text().splitlines()[before.get(ninja_log, 0):]:
             fields = line.split("\t")
             if not line.startswith("#") and len(fields) >= 4:
-                times[fields[3]] = (int(fields[1]) - int(fields[0])) / 1000
-    return sorted(((seconds, Path(target).name) for target, seconds in times.items()), reverse=True)
+                times[fields[3]] = (int(fields[0]) / 1000, int(fields[1]) / 1000)
+    return sorted(((end - start, Path(target).name, start, end) for target, (start, end) in times.items()), reverse=True)
 
 
 def report_unit_times(tree: Path, before: dict[Path, int], out: Path) -> None:
-    """Write each unit's compile time to `out` and print the sum and the slowest three (where the
-    build's wall time goes: the units are compiled MAX_JOBS at a time)."""
+    """Write each unit's compile time, start and end to `out` and print the sum and the slowest
+    three (where the build's wall time goes: the units are compiled MAX_JOBS at a time)."""
     times = unit_times(tree, before)
     if not times:
         return
-    out.write_text("".join(f"{seconds:8.1f} s  {unit}\n" for seconds, unit in times))
-    slowest = ", ".join(f"{unit} {seconds:.0f} s" for seconds, unit in times[:3])
-    print(f"build: {len(times)} units compiled, {sum(s for s, _ in times):.0f} s of compiler time; slowest {slowest} "
+    out.write_text("".join(f"{seconds:8.1f} s  {unit}  ({start:.0f}-{end:.0f} s)\n" for seconds, unit, start, end in times))
+    slowest = ", ".join(f"{unit} {seconds:.0f} s" for seconds, unit, _, _ in times[:3])
+    print(f"build: {len(times)} units compiled, {sum(t[0] for t in times):.0f} s of compiler time; slowest {slowest} "
           f"(all: {out.name})", flush=True)
 
 
