@@ -8,6 +8,13 @@
 # in one call and part2 in the next (within 30 s, while /tmp survives); their unpack.sh scripts
 # are shell, so this wrapper stays. The summary names the commit in .commit (git-ignored):
 # `git rev-parse --short HEAD > .commit`, carried with the upstream cache.
+#
+# A call carries at most 64 MiB. Built wheels come back in $OUT (dist-wheel.tar, dist-fa3-wheel.tar);
+# laid in .carry/wheel/ they skip the build while the labels match. Part 2 (23 MB), both wheels
+# (24 MB) and .cache/upstream (15 MB) do not fit one call: carry part1 with
+# .carry/wheel/dist-wheel.tar, then part2 with .carry/wheel/dist-fa3-wheel.tar, .cache/upstream,
+# .carry/fa4pristine and .commit (runs 107-108). Without FA-4 (its tests skip) one call carries
+# .cache/upstream, .carry/wheel and .commit.
 set -uo pipefail
 out=${OUT:-/tmp/gpu-session-out}
 mkdir -p "$out/logs"
