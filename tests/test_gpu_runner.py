@@ -32,7 +32,7 @@ def test_list_names_every_step_with_one_line_of_help(capsys):
     lines = capsys.readouterr().out.splitlines()
     assert [line.split()[0] for line in lines] == list(gpu_steps.STEPS)
     new_steps = ["fuzz", "upstream-fa2", "example", "upstream-fa3", "distributed", "client-bench", "bench-pristine-fa4", "host-time",
-                 "sanitize-fuzz"]
+                 "sanitize-fuzz", "fa3-variants"]
     assert set(SHELL_STEPS + new_steps) == set(gpu_steps.STEPS)
     assert all(len(line.split(maxsplit=1)) == 2 for line in lines)
 
@@ -95,6 +95,24 @@ def test_hooks_call_the_fuzzer_upstream_tests_and_examples(capsys, tmp_path):
     assert examples, "examples/ holds at least the quickstart"
     for example in examples:
         assert any(f"examples/{example.name}" in c for c in commands)
+
+
+def test_an_fa3_variant_is_built_tested_and_benched_beside_this_build(capsys, tmp_path):
+    """fa3-variants: the diff rebuilds the FA-3 wheel as a mutant, the FA-3 tests run on it, and
+    the bench runs fa3 with its dense peers on this build first, then on the variant."""
+    diff = REPO / "benchmarks/experiments/fa3-static-scheduler.diff"
+    commands = dry_run(capsys, "--out", str(tmp_path), "--bench-shapes", "prefill", "--fa3-variant", str(diff), "fa3-variants")
+    build = next(i for i, c in enumerate(commands) if f"--mutation {diff}" in c)
+    benches = [i for i, c in enumerate(commands) if "bench_sparse.py" in c]
+    tests = next(i for i, c in enumerate(commands) if "-m pytest" in c and "fa3-variant-fa3-static-scheduler" in c)
+    assert len(benches) == 2 and benches[0] < build < tests < benches[1]
+    assert all(f"--methods {gpu_steps.FA3_VARIANT_METHODS}" in commands[i] and "--shapes prefill" in commands[i] for i in benches)
+    assert "fa3-baseline.json" in commands[benches[0]] and "fa3-variant-fa3-static-scheduler.json" in commands[benches[1]]
+
+
+def test_without_an_fa3_variant_the_step_says_so(capsys, tmp_path):
+    commands = dry_run(capsys, "--out", str(tmp_path), "fa3-variants")
+    assert not any("bench_sparse.py" in c or "--mutation" in c for c in commands)
 
 
 def test_a_variant_s_tests_run_from_their_own_folder(tmp_path):

@@ -110,6 +110,43 @@ def fa3_mutation(session) -> str:
     return f"{result} ({'caught' if caught else 'NOT caught'}: these tests must fail)"
 
 
+FA3_VARIANT_METHODS = "fa3_sparse,fa3_dense_listed,fa3_dense_listed_128"
+
+
+def fa3_variants(session) -> str:
+    """Each --fa3-variant diff (hopper/, on the patched tree) built as an FA-3 mutant wheel: the FA-3
+    tests on it (they must pass), then the bench step's shapes with fa3 and its dense FA-3 peers on
+    this build and on the variant, one process after the other (the peers' times say whether the
+    machine moved between the two): an experiment's same-run A/B."""
+    diffs = session.options.fa3_variants or []
+    if not diffs:
+        return "no --fa3-variant given"
+    baseline = fa3_site(session, "fa3", session.newest("flash_attn_3-*.whl", exclude="mutant"))
+    if baseline is None:
+        return "fa3 install: FAILED (no flash_attn_3 wheel in dist/?)"
+    results = [_fa3_bench(session, "fa3-baseline", baseline)]
+    for diff in diffs:
+        name = Path(diff).stem
+        if session.forktools("build", "--profile", "dev", "--reuse", "--mutation", str(diff),
+                             output=session.logs / f"fa3-variant-{name}-build.log"):
+            results.append(f"{name}: build FAILED")
+            continue
+        env = fa3_site(session, f"fa3-variant-{name}", session.newest("flash_attn_3-*mutant*.whl"))
+        if env is None:
+            results.append(f"{name}: install FAILED")
+            continue
+        results.append(f"{name}: " + run_pytest(session, f"fa3-variant-{name}", FA3_TESTS, env=env))
+        results.append(_fa3_bench(session, f"fa3-variant-{name}", env))
+    return "; ".join(results)
+
+
+def _fa3_bench(session, name: str, env: dict) -> str:
+    session.run([PY, "benchmarks/bench_sparse.py", "--shapes", session.options.bench_shapes, "--methods",
+                 FA3_VARIANT_METHODS, "--json", session.out / f"{name}.json", "--markdown", session.out / f"{name}.md"],
+                output=session.logs / f"{name}.log", timeout=600, env=env)
+    return f"{_line_count(session, session.out / f'{name}.md')} lines in {name}.md"
+
+
 def sanitize(session) -> str:
     log = session.logs / "sanitize.log"
     session.run([PY, "tests/sanitize.py", "--raw", session.logs, *session.options.sanitize_args.split()], output=log, timeout=300)
@@ -395,6 +432,8 @@ STEPS = {
     "fa4": ("the stage-4 (FA-4 backend) tests", fa4),
     "fa3": ("the FA-3 sparse SM90 forward's tests (tests/test_stage4_fa3_sparse.py) on the dev flash_attn_3 wheel", fa3),
     "fa3-mutation": ("the FA-3 wheel rebuilt with V stepping densely: its permuted-list tests must fail", fa3_mutation),
+    "fa3-variants": ("each --fa3-variant diff built as an FA-3 wheel: the FA-3 tests, then fa3 and dense FA-3 on the bench "
+                     "shapes, this build beside the variant", fa3_variants),
     "bench": ("benchmarks/bench_sparse.py on --bench-shapes: bench.md, bench.json", bench),
     "fullbench": ("benchmarks/bench_sparse.py's whole matrix: bench.md, bench.json", fullbench),
     "crossover": ("FA-2 vs FA-4 vs auto as query rows grow: crossover.md, crossover.json", crossover),
