@@ -469,6 +469,9 @@ def bench_shape(shape, roofline, rows, methods, pristine=False):
             print(f"  fa3_sparse: skipped: {reason}", flush=True)
         else:
             add("fa3_sparse", ours("fa3"), "API, backend=fa3")
+            if "split_sweep" in methods and shape.seqlen_q <= 16:  # against the op's own choice (num_splits=0)
+                for splits in (1, 2, 3, 4, 8, 16):
+                    add(f"fa3_sparse splits={splits}", ours("fa3", splits))
     if "split_sweep" in methods and shape.seqlen_q <= 16:
         for splits in (2, 4, 8, 16, 32):  # what the split heuristic leaves on the table
             add(f"fa2_sparse splits={splits}", ours("fa2", splits))
