@@ -141,10 +141,7 @@ def fa3_variants(session) -> str:
 
 
 def _fa3_bench(session, name: str, env: dict) -> str:
-    session.run([PY, "benchmarks/bench_sparse.py", "--shapes", session.options.bench_shapes, "--methods",
-                 FA3_VARIANT_METHODS, "--json", session.out / f"{name}.json", "--markdown", session.out / f"{name}.md"],
-                output=session.logs / f"{name}.log", timeout=600, env=env)
-    return f"{_line_count(session, session.out / f'{name}.md')} lines in {name}.md"
+    return _bench(session, name, "--shapes", session.options.bench_shapes, methods=FA3_VARIANT_METHODS, env=env)
 
 
 def sanitize(session) -> str:
@@ -163,10 +160,11 @@ def sanitize_fuzz(session) -> str:
                                                or "ERRORS" in line)
 
 
-def _bench(session, name: str, *shapes: str) -> str:
-    methods = ["--methods", session.options.bench_methods] if session.options.bench_methods else []
-    session.run([PY, "benchmarks/bench_sparse.py", *shapes, *methods, "--json", session.out / f"{name}.json",
-                 "--markdown", session.out / f"{name}.md"], output=session.logs / f"{name}.log", timeout=600)
+def _bench(session, name: str, *shapes: str, methods: str | None = None, env: dict | None = None) -> str:
+    methods = methods or session.options.bench_methods
+    session.run([PY, "benchmarks/bench_sparse.py", *shapes, *(["--methods", methods] if methods else []),
+                 "--json", session.out / f"{name}.json", "--markdown", session.out / f"{name}.md"],
+                output=session.logs / f"{name}.log", timeout=600, env=env)
     return f"{_line_count(session, session.out / f'{name}.md')} lines in {name}.md"
 
 

@@ -6,8 +6,8 @@ Requested with backend="fa3"; `auto` does not choose it: under graph replay FA-4
 every decode shape measured (fa3 1.07-1.29x its time, run 108) and at prefill with half or more
 of the blocks listed, fa3 ahead at prefill 1/16 and causal (1.02-1.09x FA-4's TFLOP/s, run 109)
 and in host time; the lists' density, which decides between them, is not known without a sync,
-and the crossover sweep has not been run with fa3 (docs/performance.md). Beyond fa3_ops.refusal it refuses, with the reason:
-seqused_k, and a second K/V source for the mask lists (the speculative one-launch form), which
+and the crossover sweep has not been run with fa3 (docs/performance.md). Beyond fa3_ops.refusal
+it refuses, with the reason: seqused_k, and a second K/V source for the mask lists (the speculative one-launch form), which
 the op does not take.
 """
 
@@ -48,14 +48,7 @@ def launcher(call, splits: int) -> Callable:
     (the one-shot cache's hit path and a plan's run). Into a given `out`, else a new one; through
     the extension's fwd_into, or the op fwd_out for a build without it."""
     bound = _bound_args(call, splits)
-    forward = fa3_ops.direct()
-    if forward is None:
-        op_out = fa3_ops.op_out()
-
-        def forward(q, k, v, out, full_cnt, full_idx, mask_cnt, mask_idx, cu_total_m_blocks, cu_block_idx_offsets,
-                    cu_seqlens_q, cu_seqlens_k, **options):
-            return op_out(q, k, v, out, full_cnt, full_idx, mask_cnt, mask_idx, cu_total_m_blocks,
-                          cu_block_idx_offsets, cu_seqlens_q, cu_seqlens_k, **options)
+    forward = fa3_ops.direct() or fa3_ops.op_out()  # both take fwd_out's arguments by name
 
     def launch(q, k, v, blocks, out, cu_seqlens_q=None, cu_seqlens_k=None, seqused_k=None, page_table=None):
         if out is None:
@@ -85,11 +78,11 @@ def planned(call, splits: int, out: Tensor):
 def run(call, splits: int, out: Optional[Tensor] = None) -> Tuple[Tensor, Tensor]:
     """(out, lse) through the ops (traceable); a given `out` is written in place."""
     varlen = call.varlen
-    blocks = call.effective_blocks()
-    tensors = (call.q, call.k, call.v, blocks.full_cnt, blocks.full_idx, blocks.mask_cnt, blocks.mask_idx,
-               blocks.cu_total_m_blocks, blocks.cu_block_idx_offsets)
-    options = dict(cu_seqlens_q=call.cu_seqlens_q if varlen else None,
-                   cu_seqlens_k=call.cu_seqlens_k if varlen else None, **_bound_args(call, splits))
+    b = call.effective_blocks()
+    named = dict(q=call.q, k=call.k, v=call.v, full_cnt=b.full_cnt, full_idx=b.full_idx, mask_cnt=b.mask_cnt,
+                 mask_idx=b.mask_idx, cu_total_m_blocks=b.cu_total_m_blocks, cu_block_idx_offsets=b.cu_block_idx_offsets,
+                 cu_seqlens_q=call.cu_seqlens_q if varlen else None, cu_seqlens_k=call.cu_seqlens_k if varlen else None,
+                 **_bound_args(call, splits))
     if out is None:
-        return fa3_ops.op()(*tensors, **options)
-    return out, fa3_ops.op_out()(*tensors[:3], out, *tensors[3:], **options)
+        return fa3_ops.op()(**named)
+    return out, fa3_ops.op_out()(out=out, **named)
