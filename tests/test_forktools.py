@@ -627,3 +627,27 @@ def test_unit_times_are_the_units_this_build_compiled_slowest_first(tmp_path):
     out = tmp_path / "units.txt"
     build.report_unit_times(tmp_path, before, out)
     assert out.read_text().splitlines()[0].split() == ["120.0", "s", "flash_fwd_hdim128_bf16_sparse_sm90.o", "(0-120", "s)"]
+
+
+def test_a_wheel_label_hashes_its_own_upstreams_patches_not_the_others(tmp_path):
+    """An FA-3 patch rebuilds the FA-3 wheel only (the FA-2 wheel's label hashes the FA-2 and
+    FA-4 patches, its [hopper] extra naming FA-4's); the two builds took ~490 s together."""
+    from forktools import build
+    project = tmp_path / "project"
+    shutil.copytree(REPO / "patches", project / "patches")
+    (project / "upstream").mkdir()
+    shutil.copy(REPO / "upstream" / "lock.toml", project / "upstream" / "lock.toml")
+    layout = Layout.at(project)
+
+    def labels():
+        return {name: build.source_hash(layout, "dev", ["90"], name=name) for name in ("flash-attn", "flash-attn-3")}
+    before = labels()
+    new_patch = layout.patches / "flash-attn-3" / "0099-a-new-fa3-patch.patch"
+    new_patch.write_text("Subject: [stage 4] a new FA-3 patch\n")
+    with layout.series.open("a") as series_file:
+        series_file.write("flash-attn-3/0099-a-new-fa3-patch.patch stage=4\n")
+    after = labels()
+    assert after["flash-attn"] == before["flash-attn"]
+    assert after["flash-attn-3"] != before["flash-attn-3"]
+    (layout.patches / "flash-attn-4" / "0001-sm90-forward-varlen-block-sparse-rows-with-tile-n.patch").write_text("changed\n")
+    assert labels()["flash-attn"] != after["flash-attn"]  # FA-4's patches name the FA-2 wheel's extra

@@ -144,9 +144,12 @@ def source_hash(layout: Layout, profile: str, archs: list[str], mutations: list[
                 name: str = UPSTREAM) -> str:
     """A short hash of everything upstream `name`'s wheel is built from in this repo, and of how."""
     digest = hashlib.sha256(f"{profile} {','.join(archs)}\n".encode())
-    inputs = [layout.lock, layout.series, *sorted((layout.patches / name).glob("*.patch"))]
-    if name == UPSTREAM:  # its [hopper] extra names the flash-attn-4 wheel's label
-        inputs += sorted((layout.patches / wheel_fa4.UPSTREAM).glob("*.patch"))
+    names = [name, wheel_fa4.UPSTREAM] if name == UPSTREAM else [name]  # its [hopper] extra names FA-4's label
+    # The series' lines of these upstreams only: a patch added to another one rebuilds nothing here.
+    for line in layout.series.read_text().splitlines():
+        if any(line.startswith(f"{n}/") or line.startswith(f"# base {n} ") for n in names):
+            digest.update(line.encode() + b"\n")
+    inputs = [layout.lock, *(patch for n in names for patch in sorted((layout.patches / n).glob("*.patch")))]
     inputs += [Path(m).resolve() for m in mutations]
     inputs += [path for _, path in sorted(overlay.sources(layout, name).items())]
     for path in inputs:
