@@ -592,9 +592,11 @@ DECODE = [Shape(f"decode B8 Sq{sq} H32/8 Sk32k", 8, sq, 32768, 32, 8, d) for sq 
 # diagonal block as a "mask" block and earlier blocks at the density (make_causal_lists).
 PREFILL = [Shape("prefill B1 S16k H32 full", 1, 16384, 16384, 32, 32, d) for d in (1.0, 1 / 4, 1 / 16)] + \
           [Shape("prefill B1 S16k H32 causal", 1, 16384, 16384, 32, 32, d, causal=True) for d in (1.0, 1 / 4, 1 / 16)]
-# Where the FA-4 backend overtakes FA-2 as query rows grow (auto's FA4_MIN_QUERY_ROWS).
-CROSSOVER = [Shape(f"crossover B1 Sq{sq} H32/8 Sk16k", 1, sq, 16384, 32, 8, d, only=("fa2_sparse", "fa4_sparse", "auto"))
-             for sq in (64, 256, 512, 1024, 2048, 4096) for d in (1 / 4, 1 / 16)]
+# How fa2, fa3 and fa4 trade places as query rows grow (auto's FA4_MIN_QUERY_ROWS, FA3_MIN_QUERY_ROWS
+# and FA3_MAX_DENSITY_INVERSE).
+CROSSOVER = [Shape(f"crossover B1 Sq{sq} H32/8 Sk16k", 1, sq, 16384, 32, 8, d,
+                   only=("fa2_sparse", "fa3_sparse", "fa4_sparse", "auto"))
+             for sq in (64, 128, 256, 512, 1024, 2048, 4096) for d in (1 / 4, 1 / 16)]
 
 
 def main():

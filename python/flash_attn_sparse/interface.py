@@ -30,6 +30,16 @@ from .metadata import SparseBlocks, exhaustive_validation_requested, fail
 FA4_MIN_TILE_ROWS = 64
 FA4_MIN_QUERY_ROWS = 128
 FA4_MIN_SM_SHARE = 0.75
+# FA-3 (when its build is present and takes the call), from the crossovers of runs 108-109 (H200,
+# B1 S16k H32, graph replay; docs/performance.md): calls of at least one FA-3 tile of query rows
+# per sequence go to FA-3 where they would go to FA-2 (FA-3 1.8x FA-2's TFLOP/s at prefill, and
+# under torch.compile, which FA-4 cannot trace), and from FA-4 when causal (FA-3 ahead by 4-9% at
+# 1/4 and 1/16, level with every block) or when the lists' capacity bounds them to 1/16 of the
+# key blocks or less (FA-3 ahead by 2% at 1/16, behind by 6% at 1/4; the counts themselves are
+# not known without a sync). Decode-shaped calls keep the FA-2 / FA-4 rule: under graph replay
+# FA-4 is fastest at every decode shape measured, and FA-3 and FA-2 trade places within 4%.
+FA3_MIN_QUERY_ROWS = 128
+FA3_MAX_DENSITY_INVERSE = 16
 
 logger = logging.getLogger("flash_attn_sparse")
 
@@ -39,13 +49,15 @@ def choose(call: SparseCall) -> Tuple[str, str]:
     (a requested one that does is a SparseInputError naming its reason)."""
     if call.requested_backend == "fa2":
         return "fa2", "requested"
-    if call.requested_backend == "fa3":  # auto does not choose it (backends/fa3.py says why)
+    if call.requested_backend == "fa3":
         if reason := fa3.refusal(call):
             fail("backend", f"'fa3' cannot run this call: {reason}")
         return "fa3", "requested"
-    if torch.compiler.is_compiling():  # the FA-2 path is a custom op; the FA-4 one is not traceable
+    if torch.compiler.is_compiling():  # the FA-2 and FA-3 paths are custom ops; the FA-4 one is not traceable
         if call.requested_backend == "fa4":
-            fail("backend", "'fa4' cannot be traced by torch.compile; use 'fa2' or 'auto' there")
+            fail("backend", "'fa4' cannot be traced by torch.compile; use 'fa2', 'fa3' or 'auto' there")
+        if _fa3_takes(call):
+            return "fa3", f"traced by torch.compile; {call.max_seqlen_q} query rows: FA-3's tiles run about 1.8x FA-2's"
         return "fa2", "traced by torch.compile"
     unsupported = fa4.refusal(call)
     if call.requested_backend == "fa4":
@@ -53,6 +65,28 @@ def choose(call: SparseCall) -> Tuple[str, str]:
             fail("num_splits" if unsupported == fa4.SPLIT_KV_UNSUPPORTED else "backend",
                  f"'fa4' cannot run this call: {unsupported}")
         return "fa4", "requested"
+    backend, why = _fa2_or_fa4(call, unsupported)
+    if _fa3_takes(call):
+        if backend == "fa2":
+            return "fa3", f"{call.max_seqlen_q} query rows: FA-3's tiles run about 1.8x FA-2's ({why})"
+        if call.causal:
+            return "fa3", "causal prefill: FA-3 ahead of FA-4 at 1/4 and 1/16 of the blocks, level with all"
+        n_blocks = -(-call.max_seqlen_k // call.blocks.block_size)
+        bound = call.max_list_length()
+        if bound * FA3_MAX_DENSITY_INVERSE <= n_blocks:
+            return "fa3", f"lists of at most {bound} of {n_blocks} blocks: FA-3 ahead of FA-4 at 1/16"
+    return backend, why
+
+
+def _fa3_takes(call: SparseCall) -> bool:
+    """Prefill-shaped (at least one FA-3 tile of query rows per sequence; a varlen call's on
+    average) and run by the FA-3 build present."""
+    rows = call.q.shape[0] / max(call.batch, 1) if call.varlen else call.max_seqlen_q
+    return rows >= FA3_MIN_QUERY_ROWS and fa3.refusal(call) is None
+
+
+def _fa2_or_fa4(call: SparseCall, unsupported: Optional[str]) -> Tuple[str, str]:
+    """Between FA-2 and FA-4 (the rule at the top of this file)."""
     if unsupported:
         return "fa2", unsupported
     if not call.varlen:  # both backends split the lists: FA-4 where it packs heads or fills half a tile
@@ -65,7 +99,7 @@ def choose(call: SparseCall) -> Tuple[str, str]:
     if call.max_seqlen_q < FA4_MIN_QUERY_ROWS:
         return "fa2", f"max_seqlen_q {call.max_seqlen_q} < {FA4_MIN_QUERY_ROWS}: decode-shaped, FA-2 splits the list"
     # Varlen: the tiles of an average sequence (total_q / batch) stand for each sequence's.
-    rows = call.q.shape[0] / max(call.batch, 1) if call.varlen else call.max_seqlen_q
+    rows = call.q.shape[0] / max(call.batch, 1)
     ctas = call.batch * call.q.shape[-2] * math.ceil(rows / fa4.TILE_ROWS)
     sms = num_sms(call.q.device.index or 0)
     if ctas < FA4_MIN_SM_SHARE * sms:
@@ -187,9 +221,11 @@ def flash_attn_with_sparse_block_table(q: Tensor, k: Tensor, v: Tensor, sparse_b
     p % page_size of page page_table[b, p // page_size], and the lists still name logical
     blocks of key positions. page_size is a multiple of 16 that divides block_size or is a
     multiple of it; seqlen_k is seqused_k, else max_pages * page_size.
-    backend: "fa2" (this package's kernels), "fa4" (flash-attn-4's SM90 kernel, extra
-    `[hopper]`) or "auto" (on SM90 FA-4 where it can run the call and packs GQA query heads or
-    its 128-row tiles hold 64+ query rows, else FA-2; stages/stage4.md);
+    backend: "fa2" (this package's kernels), "fa3" (FA-3's SM90 kernel, the flash_attn_3
+    wheel), "fa4" (flash-attn-4's SM90 kernel, extra `[hopper]`) or "auto" (on SM90 FA-4 where
+    it can run the call and packs GQA query heads or its 128-row tiles hold 64+ query rows, else
+    FA-2; FA-3 instead for calls of 128+ query rows it takes that are causal, listed at 1/16 or
+    less by their lists' capacity, without FA-4, or traced; interface.choose);
     `choose_backend` tells which and `choose_num_splits_for` the split count, and the
     "flash_attn_sparse" logger says so at DEBUG.
     out: optional tensor like q (contiguous last dim) that receives the output (FA-4: by a copy).

@@ -207,7 +207,8 @@ def install(session: Session, wheel: Path) -> bool:
     session.env["PYTHONPATH"] = os.pathsep.join(p for p in paths if p)
     session.env.update(FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED="1", FLASH_ATTENTION_CUTE_DSL_CACHE_DIR="/tmp/cutedsl-cache")
     session.fa4_wheel = session.newest("flash_attn_4-*.whl")
-    fa3_wheel = session.newest("flash_attn_3-*.whl")
+    # Never a mutant or an fa3-variants experiment left in dist/ by an earlier warm call (run 113 was one).
+    fa3_wheel = session.newest("flash_attn_3-*.whl", exclude="mutant")
     if fa3_wheel:  # built here, or carried back and laid into dist/ (with --no-fa3 too)
         rc = session.pip_install(fa3_wheel, site)
         session.note(f"flash_attn_3: {fa3_wheel.name}" if rc == 0 else "flash_attn_3 install: FAILED")

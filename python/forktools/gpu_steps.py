@@ -194,7 +194,7 @@ def fullbench(session) -> str:
 
 def crossover(session) -> str:
     log = session.logs / "crossover.log"
-    session.run([PY, "benchmarks/bench_sparse.py", "--shapes", "crossover", "--methods", "fa2_sparse,fa4_sparse,auto",
+    session.run([PY, "benchmarks/bench_sparse.py", "--shapes", "crossover", "--methods", "fa2_sparse,fa3_sparse,fa4_sparse,auto",
                  "--json", session.out / "crossover.json", "--markdown", session.out / "crossover.md"],
                 output=log, timeout=600)
     return f"{_line_count(session, session.out / 'crossover.md')} lines in crossover.md"
@@ -434,7 +434,7 @@ STEPS = {
                      "shapes, this build beside the variant", fa3_variants),
     "bench": ("benchmarks/bench_sparse.py on --bench-shapes: bench.md, bench.json", bench),
     "fullbench": ("benchmarks/bench_sparse.py's whole matrix: bench.md, bench.json", fullbench),
-    "crossover": ("FA-2 vs FA-4 vs auto as query rows grow: crossover.md, crossover.json", crossover),
+    "crossover": ("fa2 vs fa3 vs fa4 vs auto as query rows grow: crossover.md, crossover.json", crossover),
     "profile": ("benchmarks/profile_decode.py, then ncu on the decode kernels (not with --no-profile-ncu)", profile),
     "profile-fa4": ("the profile step on FA-4's SM90 kernel, then ncu on it at B8 Sq16 1/16", profile_fa4),
     "sweep": ("profile_decode.py --split-sweep (--sweep-args): every split count beside the heuristic's", sweep),

@@ -2,13 +2,11 @@
 (patches/flash-attn-3, overlay hopper/flash_api_sparse.cpp; the op flash_attn_3_sparse::fwd in
 this build's flash_attn_3 wheel). fa3_ops holds the op wrapper and the kernel's host rules.
 
-Requested with backend="fa3"; `auto` does not choose it: under graph replay FA-4 is faster at
-every decode shape measured (fa3 1.07-1.29x its time, run 108) and at prefill with half or more
-of the blocks listed, fa3 ahead at prefill 1/16 and causal (1.02-1.09x FA-4's TFLOP/s, run 109)
-and in host time; the lists' density, which decides between them, is not known without a sync,
-and the crossover sweep has not been run with fa3 (docs/performance.md). Beyond fa3_ops.refusal
-it refuses, with the reason: seqused_k, and a second K/V source for the mask lists (the speculative one-launch form), which
-the op does not take.
+Requested with backend="fa3", or chosen by `auto` for prefill-shaped calls (interface.choose:
+causal, lists bounded to 1/16 of the key blocks, where FA-4 is absent, and under torch.compile),
+from the crossovers of runs 108-109 (docs/performance.md); decode-shaped calls stay on fa2 / fa4.
+Beyond fa3_ops.refusal it refuses, with the reason: seqused_k, and a second K/V source for the
+mask lists (the speculative one-launch form), which the op does not take.
 """
 
 from typing import Callable, Optional, Tuple

@@ -1,0 +1,81 @@
+"""auto's choice among fa2 / fa3 / fa4 (interface.choose), on the CPU: each backend's own refusal
+is replaced by "takes it" or by a reason, as on an SM90 with or without each build, so the rule
+itself is what these tests check (the crossovers behind it: docs/performance.md)."""
+
+import pytest
+import torch
+
+from flash_attn_sparse import SparseBlocks, calls, interface
+from flash_attn_sparse.backends import fa3, fa4
+
+
+@pytest.fixture
+def builds(monkeypatch):
+    """Which backends take calls: set builds.fa3 / builds.fa4 to None (takes it) or a reason."""
+    class Builds:
+        fa3 = None
+        fa4 = None
+    monkeypatch.setattr(fa3, "refusal", lambda call: Builds.fa3)
+    monkeypatch.setattr(fa4, "refusal", lambda call: Builds.fa4)
+    monkeypatch.setattr(calls, "require_cuda", lambda q: None)
+    monkeypatch.setattr(interface, "num_sms", lambda index: 132)
+    return Builds
+
+
+def call(batch, seqlen_q, seqlen_k, heads, heads_k, list_blocks, *, list_heads=None, causal=False,
+         requested="auto"):
+    """A fixed-length call whose lists hold `list_blocks` entries per row (their capacity)."""
+    q = torch.zeros(batch, seqlen_q, heads, 128, dtype=torch.bfloat16)
+    k = v = torch.zeros(batch, seqlen_k, heads_k, 128, dtype=torch.bfloat16)
+    tiles, list_heads = -(-seqlen_q // 128), list_heads or heads
+    cnt = torch.full((batch, list_heads, tiles), list_blocks, dtype=torch.int32)
+    idx = torch.arange(list_blocks, dtype=torch.int32).expand(batch, list_heads, tiles, list_blocks).contiguous()
+    mask = (torch.zeros_like(cnt), torch.zeros_like(idx)) if causal else (None, None)
+    blocks = SparseBlocks(cnt, idx, *mask, block_size=128, q_block_size=128)
+    return calls.SparseCall(q, k, v, blocks, causal=causal, softmax_scale=None, backend=requested)
+
+
+PREFILL = dict(batch=1, seqlen_q=4096, seqlen_k=16384, heads=8, heads_k=8)  # 128 key blocks
+DECODE = dict(batch=8, seqlen_q=16, seqlen_k=32768, heads=32, heads_k=8, list_heads=8)
+
+
+def test_prefill_goes_to_fa3_when_causal_or_at_most_a_sixteenth_listed(builds):
+    assert interface.choose(call(**PREFILL, list_blocks=128))[0] == "fa4"
+    assert interface.choose(call(**PREFILL, list_blocks=32))[0] == "fa4"  # 1/4: FA-4 ahead
+    backend, why = interface.choose(call(**PREFILL, list_blocks=8))
+    assert backend == "fa3" and "at most 8 of 128 blocks" in why
+    backend, why = interface.choose(call(**PREFILL, list_blocks=64, causal=True))
+    assert backend == "fa3" and "causal" in why
+
+
+def test_decode_keeps_the_fa2_fa4_rule(builds):
+    assert interface.choose(call(**DECODE, list_blocks=16))[0] == "fa4"  # packed query heads
+    builds.fa4 = "no runtime"
+    assert interface.choose(call(**DECODE, list_blocks=16))[0] == "fa2"
+
+
+def test_without_fa4_prefill_goes_to_fa3_and_without_fa3_the_rule_is_unchanged(builds):
+    builds.fa4 = "no runtime"
+    backend, why = interface.choose(call(**PREFILL, list_blocks=128))
+    assert backend == "fa3" and "1.8x FA-2" in why and "no runtime" in why
+    builds.fa3 = "flash_attn_3 is not importable"
+    assert interface.choose(call(**PREFILL, list_blocks=8)) == ("fa2", "no runtime")
+    builds.fa4 = None
+    assert interface.choose(call(**PREFILL, list_blocks=8))[0] == "fa4"
+    assert interface.choose(call(**PREFILL, list_blocks=8, causal=True))[0] == "fa4"
+
+
+def test_under_torch_compile_prefill_goes_to_fa3_and_decode_to_fa2(builds, monkeypatch):
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+    assert interface.choose(call(**PREFILL, list_blocks=128))[0] == "fa3"
+    assert interface.choose(call(**DECODE, list_blocks=16))[0] == "fa2"
+    builds.fa3 = "flash_attn_3 is not importable"
+    assert interface.choose(call(**PREFILL, list_blocks=128)) == ("fa2", "traced by torch.compile")
+
+
+def test_a_requested_backend_is_kept_or_refused_with_its_reason(builds):
+    assert interface.choose(call(**PREFILL, list_blocks=8, requested="fa4")) == ("fa4", "requested")
+    assert interface.choose(call(**DECODE, list_blocks=16, requested="fa3")) == ("fa3", "requested")
+    builds.fa3 = "no fa3 here"
+    with pytest.raises(Exception, match="'fa3' cannot run this call: no fa3 here"):
+        interface.choose(call(**PREFILL, list_blocks=8, requested="fa3"))
