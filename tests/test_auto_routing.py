@@ -48,6 +48,13 @@ def test_prefill_goes_to_fa3_when_causal_or_at_most_a_sixteenth_listed(builds):
     assert backend == "fa3" and "causal" in why
 
 
+def test_prefill_with_gqa_heads_fa4_packs_stays_on_fa4(builds):
+    gqa = dict(PREFILL, heads=32, heads_k=8, list_heads=8)
+    assert interface.choose(call(**gqa, list_blocks=8))[0] == "fa4"
+    assert interface.choose(call(**gqa, list_blocks=8, causal=True))[0] == "fa4"
+    assert interface.choose(call(**dict(gqa, list_heads=32), list_blocks=8))[0] == "fa3"  # per query head: unpacked
+
+
 def test_decode_keeps_the_fa2_fa4_rule(builds):
     assert interface.choose(call(**DECODE, list_blocks=16))[0] == "fa4"  # packed query heads
     builds.fa4 = "no runtime"

@@ -30,14 +30,16 @@ from .metadata import SparseBlocks, exhaustive_validation_requested, fail
 FA4_MIN_TILE_ROWS = 64
 FA4_MIN_QUERY_ROWS = 128
 FA4_MIN_SM_SHARE = 0.75
-# FA-3 (when its build is present and takes the call), from the crossovers of runs 108-109 (H200,
-# B1 S16k H32, graph replay; docs/performance.md): calls of at least one FA-3 tile of query rows
-# per sequence go to FA-3 where they would go to FA-2 (FA-3 1.8x FA-2's TFLOP/s at prefill, and
-# under torch.compile, which FA-4 cannot trace), and from FA-4 when causal (FA-3 ahead by 4-9% at
-# 1/4 and 1/16, level with every block) or when the lists' capacity bounds them to 1/16 of the
-# key blocks or less (FA-3 ahead by 2% at 1/16, behind by 6% at 1/4; the counts themselves are
-# not known without a sync). Decode-shaped calls keep the FA-2 / FA-4 rule: under graph replay
-# FA-4 is fastest at every decode shape measured, and FA-3 and FA-2 trade places within 4%.
+# FA-3 (when its build is present and takes the call), from the crossovers of runs 108-109 and 115
+# (H200, graph replay; docs/performance.md): calls of at least one FA-3 tile of query rows per
+# sequence go to FA-3 where they would go to FA-2 (FA-3 1.6-2.8x FA-2 from 64 query rows up, and
+# under torch.compile, which FA-4 cannot trace); and from FA-4 where FA-4 does not pack GQA query
+# heads, when causal (B1 S16k H32: FA-3 ahead by 2-13%) or when the lists' capacity bounds them
+# to 1/16 of the key blocks or less (ahead by 4% at 1/16, behind by 5% at 1/4; the counts
+# themselves are not known without a sync). Where FA-4 packs GQA heads (B1 H32/8 Sk16k, Sq 64 to
+# 2048) it led FA-3 at every point, by 10-32%. Decode-shaped calls keep the FA-2 / FA-4 rule:
+# under graph replay FA-4 is fastest at every decode shape measured, and FA-3 and FA-2 trade
+# places within 4%.
 FA3_MIN_QUERY_ROWS = 128
 FA3_MAX_DENSITY_INVERSE = 16
 
@@ -69,6 +71,8 @@ def choose(call: SparseCall) -> Tuple[str, str]:
     if _fa3_takes(call):
         if backend == "fa2":
             return "fa3", f"{call.max_seqlen_q} query rows: FA-3's tiles run about 1.8x FA-2's ({why})"
+        if fa4.packs_query_heads(call.q, call.k, call.blocks):
+            return backend, why  # FA-4 packing GQA heads led FA-3 at every crossover point (run 115)
         if call.causal:
             return "fa3", "causal prefill: FA-3 ahead of FA-4 at 1/4 and 1/16 of the blocks, level with all"
         n_blocks = -(-call.max_seqlen_k // call.blocks.block_size)
@@ -224,8 +228,8 @@ def flash_attn_with_sparse_block_table(q: Tensor, k: Tensor, v: Tensor, sparse_b
     backend: "fa2" (this package's kernels), "fa3" (FA-3's SM90 kernel, the flash_attn_3
     wheel), "fa4" (flash-attn-4's SM90 kernel, extra `[hopper]`) or "auto" (on SM90 FA-4 where
     it can run the call and packs GQA query heads or its 128-row tiles hold 64+ query rows, else
-    FA-2; FA-3 instead for calls of 128+ query rows it takes that are causal, listed at 1/16 or
-    less by their lists' capacity, without FA-4, or traced; interface.choose);
+    FA-2; FA-3 for calls of 128+ query rows it takes where FA-2 would run them, and where FA-4
+    would not pack GQA heads, causal or listed at 1/16 or less by their lists' capacity; choose);
     `choose_backend` tells which and `choose_num_splits_for` the split count, and the
     "flash_attn_sparse" logger says so at DEBUG.
     out: optional tensor like q (contiguous last dim) that receives the output (FA-4: by a copy).

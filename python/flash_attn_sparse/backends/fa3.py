@@ -3,8 +3,9 @@
 this build's flash_attn_3 wheel). fa3_ops holds the op wrapper and the kernel's host rules.
 
 Requested with backend="fa3", or chosen by `auto` for prefill-shaped calls (interface.choose:
-causal, lists bounded to 1/16 of the key blocks, where FA-4 is absent, and under torch.compile),
-from the crossovers of runs 108-109 (docs/performance.md); decode-shaped calls stay on fa2 / fa4.
+where FA-2 would run them, and where FA-4 would not pack GQA heads, causal or lists bounded to
+1/16 of the key blocks), from the crossovers of runs 108-115 (docs/performance.md); decode-shaped
+calls stay on fa2 / fa4.
 Beyond fa3_ops.refusal it refuses, with the reason: seqused_k, and a second K/V source for the
 mask lists (the speculative one-launch form), which the op does not take.
 """
