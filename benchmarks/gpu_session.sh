@@ -14,7 +14,10 @@
 # (24 MB) and .cache/upstream (15 MB) do not fit one call: carry part1 with
 # .carry/wheel/dist-wheel.tar, then part2 with .carry/wheel/dist-fa3-wheel.tar, .cache/upstream,
 # .carry/fa4pristine and .commit (runs 107-108). Without FA-4 (its tests skip) one call carries
-# .cache/upstream, .carry/wheel and .commit.
+# .cache/upstream, .carry/wheel and .commit. The flash-attn wheel's label also hashes python/
+# (the wheel ships flash_attn_sparse), so after a Python-only change pass --reuse-fa2-wheel:
+# the carried wheels are installed unbuilt (FA-3's when its label is this commit's) and python/
+# goes first on the path; without it such a change rebuilds FA-2 (184 s, run 115).
 set -uo pipefail
 out=${OUT:-/tmp/gpu-session-out}
 mkdir -p "$out/logs"

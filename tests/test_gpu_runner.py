@@ -172,3 +172,35 @@ def test_the_mutation_step_succeeds_when_its_tests_fail(tmp_path, monkeypatch):
         outcomes[code] = main(["gpu", "--out", str(out), "--scratch", str(tmp_path / "scratch"), "mutation"])
         assert ("NOT caught" in (out / "summary.txt").read_text()) == (code == 0)
     assert outcomes == {1: 0, 0: 1}
+
+
+def test_reusing_the_fa2_wheel_installs_the_carried_fa3_wheel_only_when_it_is_this_commits(monkeypatch, tmp_path):
+    """--reuse-fa2-wheel (a Python-only change) keeps the fa3 backend: the carried flash_attn_3
+    wheel goes into dist/ when its label is this tree's, else a note says fa3 is absent."""
+    import argparse
+    import tarfile
+
+    from forktools import build_fa3, gpu
+    monkeypatch.setattr(build_fa3, "version_label", lambda layout, profile="dev", mutations=(): "sparse.1234567890.dev")
+    root = tmp_path / "root"
+    (root / ".carry" / "wheel").mkdir(parents=True)
+
+    def carry(wheel_name):
+        wheel = tmp_path / wheel_name
+        wheel.write_bytes(b"wheel")
+        with tarfile.open(root / gpu.CARRIED_FA3_WHEEL, "w") as tar:
+            tar.add(wheel, arcname=wheel_name)
+
+    def session():
+        return gpu.Session(root=root, out=tmp_path / "out", scratch=tmp_path / "scratch", options=argparse.Namespace())
+    this_commits = "flash_attn_3-3.0.0b1+sparse.1234567890.dev-cp312-cp312-linux_x86_64.whl"
+    carry(this_commits)
+    gpu.reuse_carried_fa3_wheel(session())
+    assert (root / "dist" / this_commits).exists()
+
+    (root / "dist" / this_commits).unlink()
+    carry("flash_attn_3-3.0.0b1+sparse.aaaaaaaaaa.dev-cp312-cp312-linux_x86_64.whl")
+    stale = session()
+    gpu.reuse_carried_fa3_wheel(stale)
+    assert not list((root / "dist").glob("*.whl"))
+    assert any("not this commit's" in note and "fa3 backend is absent" in note for note in stale.notes)

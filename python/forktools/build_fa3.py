@@ -55,6 +55,14 @@ def default_jobs(jobs: int | None) -> int:
     return max(1, min(cpus, int((memory_gib - GIB_FOR_FA2) // GIB_PER_JOB)))
 
 
+def version_label(layout: Layout, profile: str = "dev", mutations: list[Path] = ()) -> str:
+    """The wheel's `+sparse.<hash>.<profile>[.mutant]`: the hash of the lock, the FA-3 patches and
+    overlay, the profile and arch (not python/: a Python-only change reuses the wheel)."""
+    from forktools import build as fa2_build
+    label = f"sparse.{fa2_build.source_hash(layout, profile, ['90a'], mutations, name=UPSTREAM)}.{profile}"
+    return label + (".mutant" if mutations else "")
+
+
 def is_mutation_of_fa3(mutation: Path) -> bool:
     """Whether a tests/mutations/ diff changes FA-3's tree (its paths are upstream's hopper/...)."""
     diff = patchfile.split_description(Path(mutation).read_bytes())
@@ -69,8 +77,7 @@ def build(layout: Layout, profile: str = "dev", jobs: int | None = None, reuse: 
 
     if profile not in PROFILES:
         raise ToolError(f"unknown FA-3 profile {profile!r}; choose one of {', '.join(PROFILES)}")
-    label = f"sparse.{fa2_build.source_hash(layout, profile, ['90a'], mutations, name=UPSTREAM)}.{profile}"
-    label += ".mutant" if mutations else ""
+    label = version_label(layout, profile, mutations)
     dist = layout.root / "dist"
     existing = sorted(dist.glob(wheel_glob(label)))
     if reuse and existing:

@@ -22,7 +22,8 @@ import tarfile
 import time
 from pathlib import Path
 
-from forktools import gpu_steps
+from forktools import build_fa3, gpu_steps
+from forktools.layout import Layout
 
 CARRIED_WHEEL = ".carry/wheel/dist-wheel.tar"
 CARRIED_FA3_WHEEL = ".carry/wheel/dist-fa3-wheel.tar"  # flash_attn_3, reused like the flash-attn one
@@ -162,6 +163,7 @@ def prepare_wheel(session: Session) -> Path | None:
         if session.forktools("build", "--fa4-only", output=session.logs / "build.log"):
             session.note("flash-attn-4 wheel: FAILED (see build.log)")
             return None
+        reuse_carried_fa3_wheel(session)
         session.env["PYTHONPATH"] = str(session.root / "python")
         session.note(f"wheel reused: {wheel.name} (no build); flash-attn-4 wheel built here; python/ first on the path")
         return wheel
@@ -189,6 +191,31 @@ def prepare_wheel(session: Session) -> Path | None:
     session.note(f"build: {'in ' + took[-1] + ' s' if took else 'reused'} (wall {time.monotonic() - start:.0f} s),"
                  f" {wheel.name}, {size} MB")
     return wheel
+
+
+def reuse_carried_fa3_wheel(session: Session) -> None:
+    """With --reuse-fa2-wheel: the carried flash_attn_3 wheel into dist/ when it is this commit's
+    (its label hashes the FA-3 patches and overlay, not python/), else a note that fa3 is absent."""
+    carried = session.root / CARRIED_FA3_WHEEL
+    if not carried.exists():
+        session.note(f"flash_attn_3: none carried ({CARRIED_FA3_WHEEL}); the fa3 backend is absent")
+        return
+    label = build_fa3.version_label(Layout.at(session.root))
+    staged = session.scratch / "given-fa3-wheel"
+    session.act(f"empty {staged}", gpu_steps.recreate, staged)
+    session.act(f"extract {CARRIED_FA3_WHEEL} into {staged}", _extract, carried, staged)
+    matching = sorted(staged.glob(build_fa3.wheel_glob(label)))
+    if matching or session.dry_run:
+        session.act(f"copy the carried flash_attn_3 wheel ({label}) into dist/", _copy_into, matching, session.root / "dist")
+    else:
+        names = ", ".join(p.name for p in staged.glob("*.whl")) or "no wheel"
+        session.note(f"flash_attn_3: the carried wheel is not this commit's ({names}; wanted {label}); the fa3 backend is absent")
+
+
+def _copy_into(files: list[Path], folder: Path) -> None:
+    folder.mkdir(parents=True, exist_ok=True)
+    for file in files:
+        shutil.copyfile(file, folder / file.name)
 
 
 def _copy_if_there(source: Path, target: Path) -> None:
@@ -302,8 +329,9 @@ def add_parser(commands) -> None:
     wheel.add_argument("--wheel", type=Path, metavar="TAR",
                        help="install the flash-attn wheel in TAR (e.g. a variant's), no build")
     wheel.add_argument("--reuse-fa2-wheel", action="store_true",
-                       help=f"install {CARRIED_WHEEL} unbuilt, build only flash-attn-4's wheel, python/ first on the path "
-                            "(for a commit whose flash-attn patches and overlay are the wheel's)")
+                       help=f"install {CARRIED_WHEEL} unbuilt (and {CARRIED_FA3_WHEEL} when it is this commit's), "
+                            "build only flash-attn-4's wheel, python/ first on the path (for a commit whose flash-attn "
+                            "patches and overlay are the wheel's: a Python-only change)")
     command.add_argument("--cutedsl-site", type=Path, help="the unpacked CuTe-DSL runtime (gpu_session.sh passes it)")
     command.add_argument("--pytest-args", dest="test_selection", default="tests",
                          help="what the tests step runs (files, -k; default tests)")
