@@ -649,5 +649,12 @@ def test_a_wheel_label_hashes_its_own_upstreams_patches_not_the_others(tmp_path)
     after = labels()
     assert after["flash-attn"] == before["flash-attn"]
     assert after["flash-attn-3"] != before["flash-attn-3"]
+    fa3_patch = sorted((layout.patches / "flash-attn-3").glob("0001-*.patch"))[0]
+    fa3_patch.write_bytes(fa3_patch.read_bytes().replace(b"Stage: 0", b"Measured since.\n\nStage: 0", 1))
+    assert labels() == after  # a patch's description is not built
+    described = fa3_patch.read_bytes()
+    fa3_patch.write_bytes(described.replace(b"+                #endif", b"+                #endif  // changed", 1))
+    assert labels()["flash-attn-3"] != after["flash-attn-3"]  # its diff is
+    fa3_patch.write_bytes(described)
     (layout.patches / "flash-attn-4" / "0001-sm90-forward-varlen-block-sparse-rows-with-tile-n.patch").write_text("changed\n")
     assert labels()["flash-attn"] != after["flash-attn"]  # FA-4's patches name the FA-2 wheel's extra

@@ -155,8 +155,16 @@ def source_hash(layout: Layout, profile: str, archs: list[str], mutations: list[
     for path in inputs:
         files = sorted(p for p in path.rglob("*") if p.is_file() and "__pycache__" not in p.parts) if path.is_dir() else [path]
         for file in files:
-            digest.update(os.path.relpath(file, layout.root).encode() + b"\0" + file.read_bytes())
+            digest.update(os.path.relpath(file, layout.root).encode() + b"\0" + built_content(file))
     return digest.hexdigest()[:10]
+
+
+def built_content(file: Path) -> bytes:
+    """What of a file the build depends on: a patch's diff, not its description (why it exists,
+    its upstream status), so that editing a header does not rebuild a wheel."""
+    data = file.read_bytes()
+    at = data.find(b"diff --git ") if file.suffix == ".patch" else -1
+    return data[at:] if at >= 0 else data
 
 
 def relay_tree(layout: Layout, stage: Path, name: str = UPSTREAM) -> None:
