@@ -32,7 +32,7 @@ FA4_MIN_QUERY_ROWS = 128
 FA4_MIN_SM_SHARE = 0.75
 # FA-3 (when its build is present and takes the call), from the crossovers of runs 108-109 and 115
 # (H200, graph replay; docs/performance.md): calls of at least one FA-3 tile of query rows per
-# sequence go to FA-3 where they would go to FA-2 (FA-3 1.6-2.8x FA-2 from 64 query rows up, and
+# sequence go to FA-3 where they would go to FA-2 (FA-3 1.2-2.8x FA-2 from 64 query rows up, and
 # under torch.compile, which FA-4 cannot trace); and from FA-4 where FA-4 does not pack GQA query
 # heads, when causal (B1 S16k H32: FA-3 ahead by 2-13%) or when the lists' capacity bounds them
 # to 1/16 of the key blocks or less (ahead by 4% at 1/16, behind by 5% at 1/4; the counts
