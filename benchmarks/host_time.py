@@ -6,9 +6,10 @@ For each backend present (fa2, fa3, fa4) and each shape it times, in one process
   eager model's launch stream costs the CPU);
 - eager ms per call (back-to-back calls, synchronized at the end) over the graph-replay ms, the
   ratio issue 27 bounds (one list set here, so L2 stays warm for both, unlike bench_sparse.py);
-- the parts: plan.run, the launches alone (the extensions' SparseForward.run; on FA-3 also the
-  one-shot launcher through the extension's fwd_into, and the same launch through the op fwd_out's
-  dispatcher), the plan's Python checks, and for scale a lone device copy and an empty Python call;
+- the parts: plan.run, the launches alone (the extensions' SparseForward.run; the one-shot's
+  launch: FA-2's sparse_fwd, FA-3's launcher through the extension's fwd_into and the same launch
+  through the op fwd_out's dispatcher), the one-shot cache's key, the plan's Python checks, and for
+  scale a lone device copy and an empty Python call;
 - the CUDA runtime calls inside 100 plan.run calls (torch.profiler's CPU-side events: count and
   mean us each), which says which driver calls a launch pays.
 
@@ -80,13 +81,20 @@ def runtime_calls(fn) -> str:
 
 def parts(backend, plan, q, k, v):
     """The launches a plan's run or a one-shot call makes, without their Python: [(name, fn)]."""
+    from flash_attn_sparse import ops
+    from flash_attn_sparse.interface import blocks_facts
+    out, b = plan.out, plan.blocks
+    # The one-shot cache's key (interface.run_cached): what a cached call pays before its launch.
+    key = ("one-shot key", lambda: (facts(q), facts(k), facts(v), facts(out), blocks_facts(b)))
     if backend == "fa2" and plan._planned is not None:
-        planned, out = plan._planned, plan.out
-        return [("SparseForward.run", lambda: planned.run(q, k, v, out))]
+        planned, args = plan._planned, plan._extension_args
+        # The one-shot's launch: the extension's sparse_fwd, checks and buffers per call.
+        return [("SparseForward.run", lambda: planned.run(q, k, v, out)),
+                ("sparse_fwd", lambda: ops.launch_direct(dict(args, q=q, k=k, v=v), out)), key]
     if backend != "fa3":
-        return []
+        return [key]
     from flash_attn_sparse.backends import fa3_ops
-    found, out, b = [], plan.out, plan.blocks
+    found = [key]
     if plan._planned is not None:
         planned = plan._planned
         found.append(("SparseForward.run", lambda: planned.run(q, k, v, out)))
