@@ -70,6 +70,7 @@ def fake_ops(monkeypatch, launched, with_direct):
     monkeypatch.setattr(fa3_ops, "op", lambda: fwd)
     monkeypatch.setattr(fa3_ops, "op_out", lambda: fwd_out)
     monkeypatch.setattr(fa3_ops, "direct", lambda: fwd_into if with_direct else None)
+    monkeypatch.setattr(fa3_ops, "planner", lambda: None)  # a build without SparseForward (see below)
 
 
 @pytest.mark.parametrize("with_direct", [True, False])
@@ -104,3 +105,41 @@ def test_run_goes_through_the_ops(monkeypatch, given_out):
     ((name, options),) = launched
     assert name == ("fwd_out" if given_out else "fwd") and options["num_splits"] == 2
     assert (result is out) == given_out and bool((result == 1).all())
+
+
+def test_the_one_shot_launcher_plans_once_and_passes_a_new_lse_per_call(monkeypatch):
+    """With the extension's SparseForward the launcher plans once (fwd_out's arguments by name, an
+    out like q) and each launch passes its tensors, lists included, by name to run_with with a
+    new LSE: an LSE a caller keeps is never overwritten by a later call of the same shape. A
+    plan's launcher for outs of other strides (reuse_plan=False) goes through fwd_into."""
+    q, k, v = qkv()
+    launched, made, runs = [], [], []
+    fake_ops(monkeypatch, launched, with_direct=True)
+
+    class FakeSparseForward:
+        def __init__(self, **named):
+            made.append(named)
+
+        def run_with(self, *positional, **named):
+            assert not positional, "the extension's entry point takes every argument by name"
+            runs.append(named)
+            named["out"].fill_(1)
+            return named["softmax_lse"].fill_(len(runs))
+
+    monkeypatch.setattr(fa3_ops, "planner", lambda: FakeSparseForward)
+    call = calls.SparseCall(q, k, v, lists(), causal=False, softmax_scale=None, num_splits=2, backend="fa3")
+    launch = fa3.launcher(call, 2)
+    (planned_with,) = made
+    assert planned_with["out"].shape == q.shape and planned_with["num_splits"] == 2
+    other = lists()
+    out1, lse1 = launch(q, k, v, call.effective_blocks(), None)
+    out2, lse2 = launch(q, k, v, other, None)
+    assert not launched and len(made) == 1
+    assert lse1.shape == (B, H, SQ) and bool((lse1 == 1).all()) and bool((lse2 == 2).all())
+    assert out1 is not out2 and bool((out1 == 1).all())
+    assert runs[1]["full_idx"] is other.full_idx and set(runs[0]) == {
+        "q", "k", "v", "out", "softmax_lse", "full_cnt", "full_idx", "mask_cnt", "mask_idx", "cu_total_m_blocks",
+        "cu_block_idx_offsets", "cu_seqlens_q", "cu_seqlens_k"}
+    given = torch.zeros_like(q)
+    result, _ = fa3.launcher(call, 2, reuse_plan=False)(q, k, v, other, given)
+    assert len(made) == 1 and launched[-1][0] == "fwd_into" and result is given

@@ -125,3 +125,14 @@ def test_fa3_eager_entry_points_take_the_op_fwd_outs_names_in_order(anchor):
     so the launcher and the plan hand them the op's keyword set."""
     assert _fa3_pybind_names(anchor) == _fa3_schema_names("fwd_out")
     assert _fa3_schema_names("fwd_out") == ["q", "k", "v", "out"] + [n for n in _fa3_schema_names("fwd") if n not in "qkv"]
+
+
+def test_fa3_run_with_takes_the_op_fwd_outs_tensors_and_an_lse():
+    """SparseForward.run_with (the one-shot launcher's call) names q, k, v, out as fwd_out does, then
+    softmax_lse, then fwd_out's list and offset tensors in its order."""
+    text = FA3_HOST.read_text()
+    body = text[text.index('.def("run_with"'):]
+    names = re.findall(r'py::arg\("(\w+)"\)', body[:body.index(");")])
+    tensors = [n for n in _fa3_schema_names("fwd_out") if n not in ("q", "k", "v", "out")][:8]
+    assert tensors[-1] == "cu_seqlens_k"
+    assert names == ["q", "k", "v", "out", "softmax_lse"] + tensors

@@ -301,6 +301,47 @@ def test_backend_fa3_through_the_public_api():
                                                seqused_k=torch.full((2,), 8192, dtype=torch.int32, device="cuda"))
 
 
+@pytest.mark.parametrize("num_splits", [0, 1, 3])
+def test_one_shot_calls_of_one_shape_keep_their_own_lse_on_any_stream(num_splits):
+    """The one-shot cache runs one planned forward per shape (SparseForward.run_with) over each
+    call's own lists with a new LSE: a second call of the same shape with other lists, on the
+    same stream and on another, leaves the first call's out and LSE as they were, and each
+    equals the one-call path (the op fwd, uncached) bitwise."""
+    import flash_attn_sparse as fas
+    from flash_attn_sparse import SparseBlocks, interface
+    from flash_attn_sparse.backends import fa3, fa3_ops
+    g = torch.Generator(device="cuda").manual_seed(12)
+    q, k, v = random_qkv(2, 16, 4096, 8, 2, 128, torch.bfloat16, generator=g)
+    rng = random.Random(12)
+
+    def lists():  # one capacity (32 entries), so that the three calls share a cache entry
+        rows = [[[gapped_permuted(rng, 32, 0.4)] for _ in range(2)] for _ in range(2)]
+        return SparseBlocks(*pack_rows(rows, 32), block_size=128, q_block_size=128)
+    first, second, third = lists(), lists(), lists()
+    interface._decisions.clear()
+    run = lambda blocks: fas.flash_attn_with_sparse_block_table(q, k, v, blocks, backend="fa3", num_splits=num_splits)  # noqa: E731
+    out1, lse1 = run(first)
+    kept = out1.clone(), lse1.clone()
+    out2, lse2 = run(second)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        out3, lse3 = run(third)
+    torch.cuda.current_stream().wait_stream(side)
+    torch.cuda.synchronize()
+    assert len(interface._decisions) == 1 and fa3_ops.planner() is not None
+    assert torch.equal(out1, kept[0]) and torch.equal(lse1, kept[1]) and lse1.data_ptr() != lse2.data_ptr()
+    for blocks, out, lse in ((first, out1, lse1), (second, out2, lse2), (third, out3, lse3)):
+        call = calls_for(q, k, v, blocks, num_splits)
+        ref_out, ref_lse = fa3.run(call, num_splits)
+        assert torch.equal(out, ref_out) and torch.equal(lse, ref_lse)
+
+
+def calls_for(q, k, v, blocks, num_splits):
+    from flash_attn_sparse import calls
+    return calls.SparseCall(q, k, v, blocks, causal=False, softmax_scale=None, num_splits=num_splits, backend="fa3")
+
+
 def test_fa3_under_torch_compile_fullgraph_and_in_a_plan_replayed_as_a_cuda_graph():
     """torch.compile(fullgraph=True) traces backend="fa3" to the op (its Meta implementation), and
     a SparsePlan on fa3 replays in a CUDA graph with lists updated in place; both equal eager."""

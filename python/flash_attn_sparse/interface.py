@@ -126,12 +126,13 @@ class Decision:
             logger.debug("sparse forward on %s (%s)", self.backend, self.why)
         return BACKENDS[self.backend].run(call, self.num_splits, out)
 
-    def bind(self, call: SparseCall, q: Tensor, k: Tensor, v: Tensor, blocks: SparseBlocks) -> None:
-        """Prepares launch() for calls like `call` (validated from the caller's q, k, v, blocks)
-        and drops the call's tensors: the backend's launcher if it has one, and what the call
-        changed of the caller's tensors (a contiguous copy, batch-broadcast lists)."""
+    def bind(self, call: SparseCall, q: Tensor, k: Tensor, v: Tensor, blocks: SparseBlocks,
+             out: Optional[Tensor] = None) -> None:
+        """Prepares launch() for calls like `call` (validated from the caller's q, k, v, blocks,
+        into outs like `out`) and drops the call's tensors: the backend's launcher if it has one,
+        and what the call changed of the caller's tensors (a contiguous copy, batch-broadcast lists)."""
         launcher = getattr(BACKENDS[self.backend], "launcher", None)
-        self._launch = launcher(call, self.num_splits) if launcher is not None else None
+        self._launch = launcher(call, self.num_splits, out=out) if launcher is not None else None
         self._contiguous = call.q is not q or call.k is not k or call.v is not v
         self._broadcast = not call.varlen and call.blocks is not blocks
         self.call = call.rebind(**dict.fromkeys(TENSOR_FIELDS))  # keep no caller's tensor alive
@@ -193,7 +194,7 @@ def run_cached(q, k, v, blocks: SparseBlocks, out: Optional[Tensor], validate: O
         call = SparseCall(q, k, v, blocks, **tensors, **options)
         check_out(out, call.q)
         decision = Decision(call)
-        decision.bind(call, q, k, v, blocks)
+        decision.bind(call, q, k, v, blocks, out)
         _decisions[key] = decision
         if len(_decisions) > CACHE_SIZE:
             _decisions.popitem(last=False)

@@ -71,7 +71,7 @@ class SparsePlan:
                 self._fa4_entry = fa4.call_entry(call, self.num_splits)
         else:  # fa3: the extension's planned forward, and the op's launcher for an out of other strides
             self._planned = fa3.planned(call, self.num_splits, self.out)
-            self._launch = BACKENDS[self.backend].launcher(call, self.num_splits)
+            self._launch = BACKENDS[self.backend].launcher(call, self.num_splits, reuse_plan=False)
             self._launch_tensors = dict(cu_seqlens_q=call.cu_seqlens_q, cu_seqlens_k=call.cu_seqlens_k,
                                         seqused_k=call.seqused_k, page_table=call.page_table)
 

@@ -6,7 +6,10 @@
     run(call, splits, out=None) -> (out, lse)  the forward, out like q (into `out` if given),
                                         lse (batch, heads, seqlen_q) or (heads, total_q)
 
-where `call` is a validated calls.SparseCall. FA-2 also has run_partial (fp32 partials into a
+where `call` is a validated calls.SparseCall. A backend may also have
+    launcher(call, splits, out=None) -> launch(q, k, v, blocks, out, **tensors) -> (out, lse)
+the forward over new tensors of the call's facts, bound once (the one-shot cache's hit path;
+`out`: the layout of the outs to come, None for new ones). FA-2 also has run_partial (fp32 partials into a
 caller's buffer, for flash_attn_sparse_partials and the speculative two-pass form). A new
 backend is one module here plus its name in BACKENDS (the router's order of preference is
 interface.choose's).

@@ -139,12 +139,13 @@ def run_partial(call, out_partial: Tensor, lse_partial: Tensor, offset: int, spl
                            partial_offset=offset)
 
 
-def launcher(call, splits: int) -> Callable:
+def launcher(call, splits: int, out: Optional[Tensor] = None) -> Callable:
     """launch(q, k, v, blocks, out, **tensors) -> (out, lse): this call's forward over new tensors
     of the same facts (shapes, strides, dtypes, devices), straight through the extension with
     every other argument bound here once (the one-shot cache's hit path; not traceable).
     tensors: cu_seqlens_q, cu_seqlens_k, seqused_k, page_table. Not for speculative calls (their
-    mask lists and source are the call's own)."""
+    mask lists and source are the call's own). `out` (the layout of the outs to come) is not
+    needed here: the extension's sparse_fwd takes any out like q."""
     assert call.mask_lists is None and call.mask_source is None
     bound = {name: value for name, value in ops.extension_args(op_args(call, splits)).items() if not isinstance(value, Tensor)}
 

@@ -41,17 +41,28 @@ def _bound_args(call, splits: int) -> dict:
                                max_seqlen_k=call.max_seqlen_k if call.varlen else None)
 
 
-def launcher(call, splits: int) -> Callable:
+def launcher(call, splits: int, out: Optional[Tensor] = None, reuse_plan: bool = True) -> Callable:
     """launch(q, k, v, blocks, out, **tensors) -> (out, lse): this call's forward over new tensors
-    of the same facts, the op's other arguments bound here once (as fa2.launcher); eager only
-    (the one-shot cache's hit path and a plan's run). Into a given `out`, else a new one; through
-    the extension's fwd_into, or the op fwd_out for a build without it."""
+    of the same facts (as fa2.launcher); eager only (the one-shot cache's hit path, and a plan's
+    run into an out of other strides). With reuse_plan and the extension's SparseForward: planned
+    here once, for an out like `out` (None: a new one per launch, like q), each launch swapping in
+    its tensors, lists included, with a new LSE (run_with: no checks or parameters rebuilt per
+    call). Else through the extension's fwd_into, or the op fwd_out for a build without it."""
     bound = _bound_args(call, splits)
     forward = fa3_ops.direct() or fa3_ops.op_out()  # both take fwd_out's arguments by name
+    reused = planned(call, splits, torch.empty_like(call.q) if out is None else out) if reuse_plan else None
+    lse_shape = (call.q.shape[1], call.q.shape[0]) if call.varlen else (call.q.shape[0], call.q.shape[2], call.q.shape[1])
 
     def launch(q, k, v, blocks, out, cu_seqlens_q=None, cu_seqlens_k=None, seqused_k=None, page_table=None):
         if out is None:
             out = torch.empty_like(q)
+        if reused is not None:
+            lse = torch.empty(lse_shape, dtype=torch.float32, device=q.device)  # the caller's to keep
+            reused.run_with(q=q, k=k, v=v, out=out, softmax_lse=lse, full_cnt=blocks.full_cnt, full_idx=blocks.full_idx,
+                            mask_cnt=blocks.mask_cnt, mask_idx=blocks.mask_idx, cu_total_m_blocks=blocks.cu_total_m_blocks,
+                            cu_block_idx_offsets=blocks.cu_block_idx_offsets, cu_seqlens_q=cu_seqlens_q,
+                            cu_seqlens_k=cu_seqlens_k)
+            return out, lse
         lse = forward(q=q, k=k, v=v, out=out, full_cnt=blocks.full_cnt, full_idx=blocks.full_idx,
                       mask_cnt=blocks.mask_cnt, mask_idx=blocks.mask_idx, cu_total_m_blocks=blocks.cu_total_m_blocks,
                       cu_block_idx_offsets=blocks.cu_block_idx_offsets, cu_seqlens_q=cu_seqlens_q,

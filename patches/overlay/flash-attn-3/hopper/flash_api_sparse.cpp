@@ -19,6 +19,7 @@
 #include <pybind11/stl.h>
 #include <cutlass/numeric_types.h>
 
+#include <array>
 #include <cmath>
 #include <limits>
 
@@ -307,10 +308,12 @@ at::Tensor mha_fwd_sparse_into(
     return launch.softmax_lse;
 }
 
-// A sparse forward planned once (a plan's): every check, the parameters and the buffers at
-// construction; run swaps in q, k, v and out, laid out as planned, and launches. The lists,
-// offsets and cu_seqlens are the caller's tensors, read at every run; the LSE is the plan's
-// buffer, overwritten by the next run.
+// A sparse forward planned once (a plan's, and a one-shot cache entry's): every check, the
+// parameters and the buffers at construction. run swaps in q, k, v and out, laid out as planned,
+// and launches; the lists, offsets and cu_seqlens are the caller's planned tensors, read at every
+// run, and the LSE is the plan's buffer, overwritten by the next run. run_with also swaps in the
+// lists, offsets and cu_seqlens (laid out as planned) and writes a given LSE: the one-shot cache's
+// launch, which returns a new LSE per call.
 class SparseForward {
 public:
     SparseForward(at::Tensor q, at::Tensor k, at::Tensor v, at::Tensor out, at::Tensor full_cnt, at::Tensor full_idx,
@@ -327,38 +330,126 @@ public:
         launch_ = prepare_sparse(q, k, v, out, full_cnt, full_idx, mask_cnt, mask_idx, cu_total_m_blocks,
                                  cu_block_idx_offsets, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                                  softmax_scale, block_size, q_block_size, causal, num_splits, pack_gqa);
-        lists_ = {full_cnt, full_idx};  // kept alive: the parameters point into them
-        for (auto const &t : {mask_cnt, mask_idx, cu_total_m_blocks, cu_block_idx_offsets, cu_seqlens_q, cu_seqlens_k}) {
-            if (t.has_value()) { lists_.push_back(*t); }
-        }
+        stream_ = c10::cuda::getCurrentCUDAStream().id();
+        ListTensors const lists{full_cnt, full_idx, mask_cnt, mask_idx, cu_total_m_blocks, cu_block_idx_offsets,
+                                cu_seqlens_q, cu_seqlens_k};
+        for (size_t i = 0; i < lists.size(); ++i) { list_layouts_[i] = layout_of(lists[i]); }
+        keep_alive(lists);  // the parameters point into them
     }
 
     at::Tensor run(at::Tensor q, at::Tensor k, at::Tensor v, at::Tensor out) {
-        // The parameters hold the planned strides: the tensors must be laid out as planned.
-        TORCH_CHECK(q.scalar_type() == dtype_ && k.scalar_type() == dtype_ && v.scalar_type() == dtype_
-                    && out.scalar_type() == dtype_, "SparseForward.run: q, k, v and out must have the planned dtype");
-        TORCH_CHECK(q.device() == device_ && k.device() == device_ && v.device() == device_ && out.device() == device_,
-                    "SparseForward.run: q, k, v and out must be on the planned device");
-        TORCH_CHECK(q.sizes() == at::IntArrayRef(q_sizes_) && q.strides() == at::IntArrayRef(q_strides_)
-                    && k.sizes() == at::IntArrayRef(k_sizes_) && v.sizes() == at::IntArrayRef(k_sizes_)
-                    && k.strides() == at::IntArrayRef(k_strides_) && v.strides() == at::IntArrayRef(v_strides_)
-                    && out.sizes() == at::IntArrayRef(q_sizes_) && out.strides() == at::IntArrayRef(out_strides_),
-                    "SparseForward.run: q, k, v and out must have the planned shapes and strides");
+        check_planned(q, k, v, out, "SparseForward.run");
         c10::cuda::CUDAGuard device_guard{device_};
-        Flash_fwd_params &params = launch_.params;
-        params.q_ptr = q.data_ptr();
-        params.k_ptr = k.data_ptr();
-        params.v_ptr = v.data_ptr();
-        params.o_ptr = out.data_ptr();
+        swap_qkv_out(launch_.params, q, k, v, out);
         launch_sparse(launch_, out);
         return launch_.softmax_lse;
     }
 
+    at::Tensor run_with(at::Tensor q, at::Tensor k, at::Tensor v, at::Tensor out, at::Tensor softmax_lse,
+                        at::Tensor full_cnt, at::Tensor full_idx, c10::optional<at::Tensor> mask_cnt,
+                        c10::optional<at::Tensor> mask_idx, c10::optional<at::Tensor> cu_total_m_blocks,
+                        c10::optional<at::Tensor> cu_block_idx_offsets, c10::optional<at::Tensor> cu_seqlens_q,
+                        c10::optional<at::Tensor> cu_seqlens_k) {
+        check_planned(q, k, v, out, "SparseForward.run_with");
+        ListTensors const lists{full_cnt, full_idx, mask_cnt, mask_idx, cu_total_m_blocks, cu_block_idx_offsets,
+                                cu_seqlens_q, cu_seqlens_k};
+        for (size_t i = 0; i < lists.size(); ++i) {
+            TORCH_CHECK(has_layout(lists[i], list_layouts_[i]), "SparseForward.run_with: ", kListNames[i],
+                        " must be given or left out as planned, an int32 tensor of the planned shape and strides on the planned device");
+        }
+        TORCH_CHECK(softmax_lse.scalar_type() == at::kFloat && softmax_lse.device() == device_
+                    && softmax_lse.sizes() == launch_.softmax_lse.sizes() && softmax_lse.is_contiguous(),
+                    "SparseForward.run_with: softmax_lse must be a contiguous float32 tensor of shape ",
+                    launch_.softmax_lse.sizes(), " on the planned device");
+        c10::cuda::CUDAGuard device_guard{device_};
+        SparseLaunch launch = launch_;  // the planned parameters; this call's pointers below
+        Flash_fwd_params &params = launch.params;
+        swap_qkv_out(params, q, k, v, out);
+        launch.softmax_lse = softmax_lse;
+        params.softmax_lse_ptr = softmax_lse.data_ptr();
+        auto &sp = params.sparse;
+        sp.full_cnt = full_cnt.data_ptr<int>();
+        sp.full_idx = full_idx.data_ptr<int>();
+        sp.mask_cnt = mask_cnt.has_value() ? mask_cnt->data_ptr<int>() : nullptr;
+        sp.mask_idx = mask_idx.has_value() ? mask_idx->data_ptr<int>() : nullptr;
+        if (cu_total_m_blocks.has_value()) {  // varlen (has_layout checked all four against the plan)
+            sp.cu_total_m_blocks = cu_total_m_blocks->data_ptr<int>();
+            sp.cu_block_idx_offsets = cu_block_idx_offsets->data_ptr<int>();
+            params.cu_seqlens_q = cu_seqlens_q->data_ptr<int>();
+            params.cu_seqlens_k = cu_seqlens_k->data_ptr<int>();
+        }
+        if (c10::cuda::getCurrentCUDAStream().id() != stream_) {
+            // The planned split buffers and tile counter may still be in use on the planned stream.
+            if (params.num_splits > 1) {
+                launch.out_accum = at::empty_like(launch_.out_accum);
+                launch.lse_accum = at::empty_like(launch_.lse_accum);
+                params.oaccum_ptr = launch.out_accum.data_ptr();
+                params.softmax_lseaccum_ptr = launch.lse_accum.data_ptr();
+            }
+            if (params.tile_count_semaphore != nullptr) {
+                launch.tile_count_semaphore = at::empty({1}, q.options().dtype(at::kInt));
+                params.tile_count_semaphore = launch.tile_count_semaphore.data_ptr<int>();
+            }
+        }
+        launch_sparse(launch, out);
+        keep_alive(lists);  // until the next run, as a plan keeps its own
+        return softmax_lse;
+    }
+
 private:
+    using ListTensors = std::array<c10::optional<at::Tensor>, 8>;
+    static constexpr std::array<char const *, 8> kListNames{"full_cnt", "full_idx", "mask_cnt", "mask_idx",
+                                                           "cu_total_m_blocks", "cu_block_idx_offsets",
+                                                           "cu_seqlens_q", "cu_seqlens_k"};
+    struct Layout {
+        bool given = false;
+        std::vector<int64_t> sizes, strides;
+    };
+
+    static Layout layout_of(c10::optional<at::Tensor> const &t) {
+        return t.has_value() ? Layout{true, t->sizes().vec(), t->strides().vec()} : Layout{};
+    }
+    bool has_layout(c10::optional<at::Tensor> const &t, Layout const &planned) const {
+        if (!t.has_value()) { return !planned.given; }
+        return planned.given && t->scalar_type() == at::kInt && t->device() == device_
+               && t->sizes() == at::IntArrayRef(planned.sizes) && t->strides() == at::IntArrayRef(planned.strides);
+    }
+
+    // The parameters hold the planned strides: the tensors must be laid out as planned.
+    void check_planned(at::Tensor const &q, at::Tensor const &k, at::Tensor const &v, at::Tensor const &out,
+                       char const *what) const {
+        TORCH_CHECK(q.scalar_type() == dtype_ && k.scalar_type() == dtype_ && v.scalar_type() == dtype_
+                    && out.scalar_type() == dtype_, what, ": q, k, v and out must have the planned dtype");
+        TORCH_CHECK(q.device() == device_ && k.device() == device_ && v.device() == device_ && out.device() == device_,
+                    what, ": q, k, v and out must be on the planned device");
+        TORCH_CHECK(q.sizes() == at::IntArrayRef(q_sizes_) && q.strides() == at::IntArrayRef(q_strides_)
+                    && k.sizes() == at::IntArrayRef(k_sizes_) && v.sizes() == at::IntArrayRef(k_sizes_)
+                    && k.strides() == at::IntArrayRef(k_strides_) && v.strides() == at::IntArrayRef(v_strides_)
+                    && out.sizes() == at::IntArrayRef(q_sizes_) && out.strides() == at::IntArrayRef(out_strides_),
+                    what, ": q, k, v and out must have the planned shapes and strides");
+    }
+
+    static void swap_qkv_out(Flash_fwd_params &params, at::Tensor const &q, at::Tensor const &k,
+                             at::Tensor const &v, at::Tensor const &out) {
+        params.q_ptr = q.data_ptr();
+        params.k_ptr = k.data_ptr();
+        params.v_ptr = v.data_ptr();
+        params.o_ptr = out.data_ptr();
+    }
+
+    void keep_alive(ListTensors const &lists) {
+        lists_.clear();
+        for (auto const &t : lists) {
+            if (t.has_value()) { lists_.push_back(*t); }
+        }
+    }
+
     c10::Device device_;
     at::ScalarType dtype_;
     std::vector<int64_t> q_sizes_, q_strides_, k_sizes_, k_strides_, v_strides_, out_strides_;
     SparseLaunch launch_;
+    c10::StreamId stream_ = 0;
+    std::array<Layout, 8> list_layouts_;
     std::vector<at::Tensor> lists_;
 };
 
@@ -454,7 +545,12 @@ int flash_sparse_add_python_api(PyObject *module) {
                  py::kw_only(), py::arg("softmax_scale"), py::arg("block_size"), py::arg("q_block_size"),
                  py::arg("causal"), py::arg("num_splits"), py::arg("pack_gqa"))
             .def("run", &SparseForward::run, "Launch over q, k, v into out; returns the plan's LSE",
-                 py::arg("q"), py::arg("k"), py::arg("v"), py::arg("out"));
+                 py::arg("q"), py::arg("k"), py::arg("v"), py::arg("out"))
+            .def("run_with", &SparseForward::run_with,
+                 "Launch over q, k, v and the given lists (laid out as planned) into out, the LSE into softmax_lse",
+                 py::arg("q"), py::arg("k"), py::arg("v"), py::arg("out"), py::arg("softmax_lse"), py::arg("full_cnt"),
+                 py::arg("full_idx"), py::arg("mask_cnt"), py::arg("mask_idx"), py::arg("cu_total_m_blocks"),
+                 py::arg("cu_block_idx_offsets"), py::arg("cu_seqlens_q"), py::arg("cu_seqlens_k"));
         m.def("fwd_into", &mha_fwd_sparse_into, "fwd_out without the dispatcher: the forward into out; returns the LSE",
               py::arg("q"), py::arg("k"), py::arg("v"), py::arg("out"), py::arg("full_cnt"), py::arg("full_idx"),
               py::arg("mask_cnt"), py::arg("mask_idx"), py::arg("cu_total_m_blocks"), py::arg("cu_block_idx_offsets"),
