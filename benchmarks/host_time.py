@@ -1,15 +1,16 @@
 """Where a call's host time goes, at the decode shapes of DESIGN §7 (1/16, per-K/V-head lists).
 
 For each backend present (fa2, fa3, fa4) and each shape it times, in one process:
-- `after sync`: median over 200 calls of one call started on an idle GPU (bench_sparse.py's
-  host_us), and `back to back`: the mean host time of 200 calls issued without waiting (what an
+- `after sync`: median over 200 calls of one call started on an idle GPU, plan.run, the one-shot
+  call, their parts and a lone copy taking turns call by call (a drifting host weighs on each
+  alike), and `back to back`: the mean host time of 200 calls issued without waiting (what an
   eager model's launch stream costs the CPU);
 - eager ms per call (back-to-back calls, synchronized at the end) over the graph-replay ms, the
   ratio issue 27 bounds (one list set here, so L2 stays warm for both, unlike bench_sparse.py);
 - the parts: plan.run, the launches alone (the extensions' SparseForward.run; the one-shot's
-  launch: FA-2's sparse_fwd, FA-3's launcher through the extension's fwd_into and the same launch
-  through the op fwd_out's dispatcher), the one-shot cache's key, the plan's Python checks, and for
-  scale a lone device copy and an empty Python call;
+  launch: FA-2's sparse_fwd, FA-3's SparseForward.run_with; FA-3's launcher through the
+  extension's fwd_into and the same launch through the op fwd_out's dispatcher), the one-shot
+  cache's key, the plan's Python checks, and for scale a lone device copy and an empty Python call;
 - the CUDA runtime calls inside 100 plan.run calls (torch.profiler's CPU-side events: count and
   mean us each), which says which driver calls a launch pays.
 
@@ -18,6 +19,7 @@ For each backend present (fa2, fa3, fa4) and each shape it times, in one process
 
 import argparse
 import json
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -31,6 +33,21 @@ from flash_attn_sparse.backends import BACKENDS  # noqa: E402
 from flash_attn_sparse.interface import facts  # noqa: E402
 
 CALLS = 200
+
+
+def interleaved_after_sync(fns: dict) -> dict:
+    """{name: median host us of one call of fns[name] started on an idle GPU}, the functions
+    taking turns call by call (CALLS rounds, the order rotating), so that a host drifting during
+    the measurement weighs on each alike and their ratios hold within a row."""
+    samples, items = {name: [] for name in fns}, list(fns.items())
+    for turn in range(CALLS):
+        for name, fn in items[turn % len(items):] + items[:turn % len(items)]:
+            torch.cuda.synchronize()
+            start = time.perf_counter()
+            fn()
+            samples[name].append(time.perf_counter() - start)
+    torch.cuda.synchronize()
+    return {name: statistics.median(taken) * 1e6 for name, taken in samples.items()}
 
 
 def back_to_back_us(fn) -> float:
@@ -93,11 +110,15 @@ def parts(backend, plan, q, k, v):
                 ("sparse_fwd", lambda: ops.launch_direct(dict(args, q=q, k=k, v=v), out)), key]
     if backend != "fa3":
         return [key]
-    from flash_attn_sparse.backends import fa3_ops
+    from flash_attn_sparse.backends import fa3, fa3_ops
     found = [key]
     if plan._planned is not None:
         planned = plan._planned
         found.append(("SparseForward.run", lambda: planned.run(q, k, v, out)))
+    # The one-shot cache's launch (one SparseForward per shape, run_with per call, a new LSE each),
+    # and the plan's launcher for outs of other strides (fwd_into: checks and buffers per call).
+    one_shot_launch = fa3.launcher(plan._decision.call, plan.num_splits, out=out)
+    found.append(("run_with", lambda: one_shot_launch(q, k, v, b, out)))
     launch = plan._launch
     found.append(("launcher", lambda: launch(q, k, v, b, out)))
     # The same launch through the op's dispatcher (what the launcher paid before fwd_into).
@@ -120,19 +141,26 @@ def measure(shape, backend):
     run = lambda: plan.run(q, k, v)  # noqa: E731
     one_shot = lambda: fas.flash_attn_with_sparse_block_table(q, k, v, blocks, backend=backend)  # noqa: E731
     row = {"shape": shape.name, "backend": backend, "splits": plan.num_splits}
+    found = parts(backend, plan, q, k, v)
+    src = torch.empty(1 << 20, device="cuda")
+    dst = torch.empty_like(src)
     for _ in range(20):
         run(), one_shot()
-    row["plan_run_after_sync_us"] = host_us_after_sync(run)
+    # Interleaved: plan.run, the one-shot call, their parts and a lone copy, in one set of turns.
+    timed = interleaved_after_sync({"plan.run": run, "one-shot": one_shot, "lone copy": lambda: dst.copy_(src),
+                                    **dict(found)})
+    row["plan_run_after_sync_us"] = timed["plan.run"]
     row["plan_run_back_to_back_us"] = back_to_back_us(run)
-    row["one_shot_after_sync_us"] = host_us_after_sync(one_shot)
+    row["one_shot_after_sync_us"] = timed["one-shot"]
     row["one_shot_back_to_back_us"] = back_to_back_us(one_shot)
+    row["copy_after_sync_us"] = timed["lone copy"]
     try:
         row["eager_ms"], row["graph_ms"] = eager_over_graph(run)
     except Exception as error:  # a backend whose run cannot be captured: the other columns stand
         row["eager_ms"] = row["graph_ms"] = float("nan")
         row["graph_note"] = f"{type(error).__name__}: {str(error)[:80]}"
-    row["launches"] = [dict(name=name, after_sync_us=host_us_after_sync(fn), back_to_back_us=back_to_back_us(fn))
-                       for name, fn in parts(backend, plan, q, k, v)]
+    row["launches"] = [dict(name=name, after_sync_us=timed[name], back_to_back_us=back_to_back_us(fn))
+                       for name, fn in found]
     row["checks_us"] = back_to_back_us(lambda: (facts(q), facts(k), facts(v)) == plan._facts)
     row["runtime_calls"] = runtime_calls(run)
     return row
@@ -140,16 +168,17 @@ def measure(shape, backend):
 
 def markdown(rows, copy_us, empty_us) -> str:
     lines = [f"lone copy_: {copy_us[0]:.1f} us after sync, {copy_us[1]:.1f} back to back; empty Python call {empty_us:.2f} us",
-             "", "| shape | backend | splits | plan.run us (after sync / back to back) | one-shot us | launch alone us | "
-             "checks us | eager / graph | runtime calls per run (name xN mean us) |", "|---|---|---|---|---|---|---|---|---|"]
+             "", "| shape | backend | splits | plan.run us (after sync / back to back) | one-shot us | lone copy us | "
+             "parts us | checks us | eager / graph | runtime calls per run (name xN mean us) |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         if "note" in r:
-            lines.append(f"| {r['shape']} | {r['backend']} | | {r['note']} | | | | | |")
+            lines.append(f"| {r['shape']} | {r['backend']} | | {r['note']} | | | | | | |")
             continue
         launch = "; ".join(f"{p['after_sync_us']:.1f} / {p['back_to_back_us']:.1f} ({p['name']})" for p in r["launches"])
         lines.append(f"| {r['shape']} | {r['backend']} | {r['splits']} | {r['plan_run_after_sync_us']:.1f} / "
                      f"{r['plan_run_back_to_back_us']:.1f} | {r['one_shot_after_sync_us']:.1f} / "
-                     f"{r['one_shot_back_to_back_us']:.1f} | {launch} | {r['checks_us']:.1f} | "
+                     f"{r['one_shot_back_to_back_us']:.1f} | {r['copy_after_sync_us']:.1f} | {launch} | {r['checks_us']:.1f} | "
                      f"{r['eager_ms'] * 1e3:.1f} / {r['graph_ms'] * 1e3:.1f} us = {r['eager_ms'] / r['graph_ms']:.2f} | "
                      f"{r['runtime_calls']} |")
     return "\n".join(lines)
