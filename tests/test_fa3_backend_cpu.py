@@ -119,8 +119,13 @@ def test_the_one_shot_launcher_plans_once_and_passes_a_new_lse_per_call(monkeypa
     class FakeSparseForward:
         def __init__(self, **named):
             made.append(named)
+            self.released = False
+
+        def release_run_buffers(self):
+            self.released = True
 
         def run_with(self, *positional, **named):
+            assert self.released, "a one-shot entry holds no planned buffers"
             assert not positional, "the extension's entry point takes every argument by name"
             runs.append(named)
             named["out"].fill_(1)

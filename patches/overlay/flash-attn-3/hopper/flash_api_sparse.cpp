@@ -312,8 +312,9 @@ at::Tensor mha_fwd_sparse_into(
 // parameters and the buffers at construction. run swaps in q, k, v and out, laid out as planned,
 // and launches; the lists, offsets and cu_seqlens are the caller's planned tensors, read at every
 // run, and the LSE is the plan's buffer, overwritten by the next run. run_with also swaps in the
-// lists, offsets and cu_seqlens (laid out as planned) and writes a given LSE: the one-shot cache's
-// launch, which returns a new LSE per call.
+// lists, offsets and cu_seqlens (laid out as planned), writes a given LSE and takes its split
+// partials and tile counter from the allocator per call (stream-ordered, so any stream): the
+// one-shot cache's launch, whose entry drops run's buffers (release_run_buffers) to hold none.
 class SparseForward {
 public:
     SparseForward(at::Tensor q, at::Tensor k, at::Tensor v, at::Tensor out, at::Tensor full_cnt, at::Tensor full_idx,
@@ -330,7 +331,11 @@ public:
         launch_ = prepare_sparse(q, k, v, out, full_cnt, full_idx, mask_cnt, mask_idx, cu_total_m_blocks,
                                  cu_block_idx_offsets, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                                  softmax_scale, block_size, q_block_size, causal, num_splits, pack_gqa);
-        stream_ = c10::cuda::getCurrentCUDAStream().id();
+        lse_sizes_ = launch_.softmax_lse.sizes().vec();
+        if (launch_.out_accum.defined()) {
+            out_accum_sizes_ = launch_.out_accum.sizes().vec();
+            lse_accum_sizes_ = launch_.lse_accum.sizes().vec();
+        }
         ListTensors const lists{full_cnt, full_idx, mask_cnt, mask_idx, cu_total_m_blocks, cu_block_idx_offsets,
                                 cu_seqlens_q, cu_seqlens_k};
         for (size_t i = 0; i < lists.size(); ++i) { list_layouts_[i] = layout_of(lists[i]); }
@@ -338,6 +343,7 @@ public:
     }
 
     at::Tensor run(at::Tensor q, at::Tensor k, at::Tensor v, at::Tensor out) {
+        TORCH_CHECK(!released_, "SparseForward.run: its buffers were released (release_run_buffers); use run_with");
         check_planned(q, k, v, out, "SparseForward.run");
         c10::cuda::CUDAGuard device_guard{device_};
         swap_qkv_out(launch_.params, q, k, v, out);
@@ -358,9 +364,9 @@ public:
                         " must be given or left out as planned, an int32 tensor of the planned shape and strides on the planned device");
         }
         TORCH_CHECK(softmax_lse.scalar_type() == at::kFloat && softmax_lse.device() == device_
-                    && softmax_lse.sizes() == launch_.softmax_lse.sizes() && softmax_lse.is_contiguous(),
+                    && softmax_lse.sizes() == at::IntArrayRef(lse_sizes_) && softmax_lse.is_contiguous(),
                     "SparseForward.run_with: softmax_lse must be a contiguous float32 tensor of shape ",
-                    launch_.softmax_lse.sizes(), " on the planned device");
+                    at::IntArrayRef(lse_sizes_), " on the planned device");
         c10::cuda::CUDAGuard device_guard{device_};
         SparseLaunch launch = launch_;  // the planned parameters; this call's pointers below
         Flash_fwd_params &params = launch.params;
@@ -378,22 +384,29 @@ public:
             params.cu_seqlens_q = cu_seqlens_q->data_ptr<int>();
             params.cu_seqlens_k = cu_seqlens_k->data_ptr<int>();
         }
-        if (c10::cuda::getCurrentCUDAStream().id() != stream_) {
-            // The planned split buffers and tile counter may still be in use on the planned stream.
-            if (params.num_splits > 1) {
-                launch.out_accum = at::empty_like(launch_.out_accum);
-                launch.lse_accum = at::empty_like(launch_.lse_accum);
-                params.oaccum_ptr = launch.out_accum.data_ptr();
-                params.softmax_lseaccum_ptr = launch.lse_accum.data_ptr();
-            }
-            if (params.tile_count_semaphore != nullptr) {
-                launch.tile_count_semaphore = at::empty({1}, q.options().dtype(at::kInt));
-                params.tile_count_semaphore = launch.tile_count_semaphore.data_ptr<int>();
-            }
+        if (params.num_splits > 1) {  // contiguous, as planned: the parameters' strides hold
+            launch.out_accum = at::empty(out_accum_sizes_, q.options().dtype(at::kFloat));
+            launch.lse_accum = at::empty(lse_accum_sizes_, q.options().dtype(at::kFloat));
+            params.oaccum_ptr = launch.out_accum.data_ptr();
+            params.softmax_lseaccum_ptr = launch.lse_accum.data_ptr();
+        }
+        if (params.tile_count_semaphore != nullptr) {
+            launch.tile_count_semaphore = at::empty({1}, q.options().dtype(at::kInt));
+            params.tile_count_semaphore = launch.tile_count_semaphore.data_ptr<int>();
         }
         launch_sparse(launch, out);
         keep_alive(lists);  // until the next run, as a plan keeps its own
         return softmax_lse;
+    }
+
+    // Frees what only run uses (its LSE, split partials and tile counter); run_with allocates
+    // its own per call. A one-shot cache entry holds no buffers this way.
+    void release_run_buffers() {
+        launch_.softmax_lse = at::Tensor();
+        launch_.out_accum = at::Tensor();
+        launch_.lse_accum = at::Tensor();
+        launch_.tile_count_semaphore = at::Tensor();
+        released_ = true;
     }
 
 private:
@@ -448,7 +461,8 @@ private:
     at::ScalarType dtype_;
     std::vector<int64_t> q_sizes_, q_strides_, k_sizes_, k_strides_, v_strides_, out_strides_;
     SparseLaunch launch_;
-    c10::StreamId stream_ = 0;
+    std::vector<int64_t> lse_sizes_, out_accum_sizes_, lse_accum_sizes_;
+    bool released_ = false;
     std::array<Layout, 8> list_layouts_;
     std::vector<at::Tensor> lists_;
 };
@@ -550,7 +564,9 @@ int flash_sparse_add_python_api(PyObject *module) {
                  "Launch over q, k, v and the given lists (laid out as planned) into out, the LSE into softmax_lse",
                  py::arg("q"), py::arg("k"), py::arg("v"), py::arg("out"), py::arg("softmax_lse"), py::arg("full_cnt"),
                  py::arg("full_idx"), py::arg("mask_cnt"), py::arg("mask_idx"), py::arg("cu_total_m_blocks"),
-                 py::arg("cu_block_idx_offsets"), py::arg("cu_seqlens_q"), py::arg("cu_seqlens_k"));
+                 py::arg("cu_block_idx_offsets"), py::arg("cu_seqlens_q"), py::arg("cu_seqlens_k"))
+            .def("release_run_buffers", &SparseForward::release_run_buffers,
+                 "Free run's LSE, split partials and tile counter (run_with allocates its own); run is refused after");
         m.def("fwd_into", &mha_fwd_sparse_into, "fwd_out without the dispatcher: the forward into out; returns the LSE",
               py::arg("q"), py::arg("k"), py::arg("v"), py::arg("out"), py::arg("full_cnt"), py::arg("full_idx"),
               py::arg("mask_cnt"), py::arg("mask_idx"), py::arg("cu_total_m_blocks"), py::arg("cu_block_idx_offsets"),
