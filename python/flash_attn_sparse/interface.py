@@ -13,7 +13,7 @@ from . import ops
 from .backends import BACKENDS, fa2, fa3, fa4
 from .backends.device import MAX_SPLITS, num_sms
 from .calls import TENSOR_FIELDS, BlockTable, SparseCall, as_blocks, broadcast_batch, check_out
-from .metadata import SparseBlocks, exhaustive_validation_requested, fail
+from .metadata import SparseBlocks, cdiv, exhaustive_validation_requested, fail
 
 # auto sends a fixed-length call to the Hopper (FA-4) backend when the query heads of a K/V head
 # share its tiles (GQA packing: shared or per-K/V-head lists), or when its 128-row tiles hold at
@@ -75,7 +75,7 @@ def choose(call: SparseCall) -> Tuple[str, str]:
             return backend, why  # FA-4 packing GQA heads led FA-3 at every crossover point (run 115)
         if call.causal:
             return "fa3", "causal prefill: FA-3 ahead of FA-4 at 1/4 and 1/16 of the blocks, level with all"
-        n_blocks = -(-call.max_seqlen_k // call.blocks.block_size)
+        n_blocks = cdiv(call.max_seqlen_k, call.blocks.block_size)
         bound = call.max_list_length()
         if bound * FA3_MAX_DENSITY_INVERSE <= n_blocks:
             return "fa3", f"lists of at most {bound} of {n_blocks} blocks: FA-3 ahead of FA-4 at 1/16"

@@ -163,8 +163,12 @@ def built_content(file: Path) -> bytes:
     """What of a file the build depends on: a patch's diff, not its description (why it exists,
     its upstream status), so that editing a header does not rebuild a wheel."""
     data = file.read_bytes()
-    at = data.find(b"diff --git ") if file.suffix == ".patch" else -1
-    return data[at:] if at >= 0 else data
+    if file.suffix == ".patch":
+        try:
+            return patchfile.split_description(data)
+        except patchfile.PatchError:  # no diff in it (yet): all of it
+            return data
+    return data
 
 
 def relay_tree(layout: Layout, stage: Path, name: str = UPSTREAM) -> None:

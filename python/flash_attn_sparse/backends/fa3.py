@@ -41,6 +41,20 @@ def _bound_args(call, splits: int) -> dict:
                                max_seqlen_k=call.max_seqlen_k if call.varlen else None)
 
 
+def _list_args(blocks, cu_seqlens_q: Optional[Tensor], cu_seqlens_k: Optional[Tensor]) -> dict:
+    """The lists and offsets, by the op's (and the extension's) argument names."""
+    return dict(full_cnt=blocks.full_cnt, full_idx=blocks.full_idx, mask_cnt=blocks.mask_cnt, mask_idx=blocks.mask_idx,
+                cu_total_m_blocks=blocks.cu_total_m_blocks, cu_block_idx_offsets=blocks.cu_block_idx_offsets,
+                cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k)
+
+
+def _call_args(call, splits: int) -> dict:
+    """Every argument of the op but q, k, v and out, for this call."""
+    varlen = call.varlen
+    return dict(_list_args(call.effective_blocks(), call.cu_seqlens_q if varlen else None,
+                           call.cu_seqlens_k if varlen else None), **_bound_args(call, splits))
+
+
 def launcher(call, splits: int, out: Optional[Tensor] = None, reuse_plan: bool = True) -> Callable:
     """launch(q, k, v, blocks, out, **tensors) -> (out, lse): this call's forward over new tensors
     of the same facts (as fa2.launcher); eager only (the one-shot cache's hit path, and a plan's
@@ -61,18 +75,12 @@ def launcher(call, splits: int, out: Optional[Tensor] = None, reuse_plan: bool =
     def launch(q, k, v, blocks, out, cu_seqlens_q=None, cu_seqlens_k=None, seqused_k=None, page_table=None):
         if out is None:
             out = torch.empty_like(q)
+        lists = _list_args(blocks, cu_seqlens_q, cu_seqlens_k)
         if reused is not None:
             lse = torch.empty(lse_shape, dtype=torch.float32, device=q.device)  # the caller's to keep
-            reused.run_with(q=q, k=k, v=v, out=out, softmax_lse=lse, full_cnt=blocks.full_cnt, full_idx=blocks.full_idx,
-                            mask_cnt=blocks.mask_cnt, mask_idx=blocks.mask_idx, cu_total_m_blocks=blocks.cu_total_m_blocks,
-                            cu_block_idx_offsets=blocks.cu_block_idx_offsets, cu_seqlens_q=cu_seqlens_q,
-                            cu_seqlens_k=cu_seqlens_k)
+            reused.run_with(q=q, k=k, v=v, out=out, softmax_lse=lse, **lists)
             return out, lse
-        lse = forward(q=q, k=k, v=v, out=out, full_cnt=blocks.full_cnt, full_idx=blocks.full_idx,
-                      mask_cnt=blocks.mask_cnt, mask_idx=blocks.mask_idx, cu_total_m_blocks=blocks.cu_total_m_blocks,
-                      cu_block_idx_offsets=blocks.cu_block_idx_offsets, cu_seqlens_q=cu_seqlens_q,
-                      cu_seqlens_k=cu_seqlens_k, **bound)
-        return out, lse
+        return out, forward(q=q, k=k, v=v, out=out, **lists, **bound)
     return launch
 
 
@@ -82,22 +90,12 @@ def planned(call, splits: int, out: Tensor):
     planner = fa3_ops.planner()
     if planner is None:
         return None
-    blocks = call.effective_blocks()
-    return planner(q=call.q, k=call.k, v=call.v, out=out, full_cnt=blocks.full_cnt, full_idx=blocks.full_idx,
-                   mask_cnt=blocks.mask_cnt, mask_idx=blocks.mask_idx, cu_total_m_blocks=blocks.cu_total_m_blocks,
-                   cu_block_idx_offsets=blocks.cu_block_idx_offsets,
-                   cu_seqlens_q=call.cu_seqlens_q if call.varlen else None,
-                   cu_seqlens_k=call.cu_seqlens_k if call.varlen else None, **_bound_args(call, splits))
+    return planner(q=call.q, k=call.k, v=call.v, out=out, **_call_args(call, splits))
 
 
 def run(call, splits: int, out: Optional[Tensor] = None) -> Tuple[Tensor, Tensor]:
     """(out, lse) through the ops (traceable); a given `out` is written in place."""
-    varlen = call.varlen
-    b = call.effective_blocks()
-    named = dict(q=call.q, k=call.k, v=call.v, full_cnt=b.full_cnt, full_idx=b.full_idx, mask_cnt=b.mask_cnt,
-                 mask_idx=b.mask_idx, cu_total_m_blocks=b.cu_total_m_blocks, cu_block_idx_offsets=b.cu_block_idx_offsets,
-                 cu_seqlens_q=call.cu_seqlens_q if varlen else None, cu_seqlens_k=call.cu_seqlens_k if varlen else None,
-                 **_bound_args(call, splits))
+    named = dict(q=call.q, k=call.k, v=call.v, **_call_args(call, splits))
     if out is None:
         return fa3_ops.op()(**named)
     return out, fa3_ops.op_out()(out=out, **named)
