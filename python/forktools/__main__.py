@@ -7,7 +7,7 @@ import os
 import sys
 from pathlib import Path
 
-from forktools import ToolError, build, gpu, series, stages, upstream, variant, wheel_fa4
+from forktools import ToolError, build, build_fa3, gpu, series, stages, upstream, variant, wheel_fa4
 from forktools.layout import Layout
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -50,6 +50,9 @@ def _build(layout: Layout, args: argparse.Namespace) -> int:
     if args.fa4_only:
         wheel_fa4.build(layout)
         return 0
+    if args.fa3_only:
+        build_fa3.build(layout, profile=args.profile, jobs=args.jobs, reuse=args.reuse)
+        return 0
     archs = args.archs or [a for a in os.environ.get("FLASH_ATTN_SPARSE_ARCH", "").split(",") if a] or None
     build.build(layout, profile=args.profile, archs=archs, jobs=args.jobs, reuse=args.reuse,
                 mutations=args.mutations, install=args.install, fa3=not args.no_fa3)
@@ -60,7 +63,7 @@ def _review(layout: Layout, args: argparse.Namespace) -> int:
     return stages.review(layout, args.stage)
 
 
-BUILD_OPTIONS = ("--profile", "--arch", "--jobs", "--reuse", "--mutation", "--fa4-only", "--install")
+BUILD_OPTIONS = ("--profile", "--arch", "--jobs", "--reuse", "--mutation", "--fa4-only", "--fa3-only", "--install")
 
 
 def _test(layout: Layout, args: argparse.Namespace) -> int:
@@ -120,6 +123,8 @@ def _parser() -> argparse.ArgumentParser:
     command.add_argument("--no-fa3", action="store_true", help="skip the FA-3 (flash_attn_3) wheel")
     command.add_argument("--fa4-only", action="store_true",
                          help="only the patched flash-attn-4 wheel (pure Python, seconds), e.g. beside a carried flash-attn one")
+    command.add_argument("--fa3-only", action="store_true",
+                         help="only the FA-3 (flash_attn_3) wheel, e.g. beside a carried flash-attn one")
     command.set_defaults(run=_build)
 
     command = commands.add_parser("variant", help="a branch as a diff over the base's patched flash-attn tree (for build --mutation)")

@@ -195,21 +195,26 @@ def prepare_wheel(session: Session) -> Path | None:
 
 def reuse_carried_fa3_wheel(session: Session) -> None:
     """With --reuse-fa2-wheel: the carried flash_attn_3 wheel into dist/ when it is this commit's
-    (its label hashes the FA-3 patches and overlay, not python/), else a note that fa3 is absent."""
+    (its label hashes the FA-3 patches and overlay, not python/), else FA-3 built here alone."""
     carried = session.root / CARRIED_FA3_WHEEL
-    if not carried.exists():
-        session.note(f"flash_attn_3: none carried ({CARRIED_FA3_WHEEL}); the fa3 backend is absent")
-        return
     label = build_fa3.version_label(Layout.at(session.root))
     staged = session.scratch / "given-fa3-wheel"
     session.act(f"empty {staged}", gpu_steps.recreate, staged)
-    session.act(f"extract {CARRIED_FA3_WHEEL} into {staged}", _extract, carried, staged)
+    if carried.exists():
+        session.act(f"extract {CARRIED_FA3_WHEEL} into {staged}", _extract, carried, staged)
     matching = sorted(staged.glob(build_fa3.wheel_glob(label)))
     if matching or session.dry_run:
         session.act(f"copy the carried flash_attn_3 wheel ({label}) into dist/", _copy_into, matching, session.root / "dist")
-    else:
-        names = ", ".join(p.name for p in staged.glob("*.whl")) or "no wheel"
-        session.note(f"flash_attn_3: the carried wheel is not this commit's ({names}; wanted {label}); the fa3 backend is absent")
+        return
+    names = ", ".join(p.name for p in staged.glob("*.whl")) or "none carried"
+    log = session.logs / "build-fa3.log"
+    rc = session.forktools("build", "--fa3-only", "--profile", "dev", "--jobs", str(os.cpu_count() or 1), "--reuse",
+                           output=log)
+    session.act("copy build/logs/units-flash-attn-3.txt to logs/", _copy_if_there,
+                session.root / "build/logs/units-flash-attn-3.txt", session.logs / "units-flash-attn-3.txt")
+    took = BUILD_TIME.findall(session.read(log))
+    session.note(f"flash_attn_3: built here ({names} is not {label}): " +
+                 (f"in {took[-1]} s" if not rc and took else "FAILED (see build-fa3.log); the fa3 backend is absent"))
 
 
 def _copy_into(files: list[Path], folder: Path) -> None:

@@ -57,6 +57,31 @@ struct SparseBlockList {
         return list;
     }
 
+    // Warm, from the thread that claimed it, the lists of a batched tile that runs next: its
+    // counts and, of each row, the first line and the line of its last entry within the first
+    // kPrefetchBytes (the walk starts at the last listed entry, in a full row the row's last;
+    // rows of up to 32 entries are then whole), as L1 prefetches.
+    static constexpr int kPrefetchBytes = 1024;
+    CUTLASS_DEVICE static void
+    prefetch(SparseBlockParams const &p, int const bidb, int const bidh, int const m_block) {
+        int const head = bidh / p.head_ratio;
+        int const row = m_block / p.tiles_per_row;
+        int64_t const cnt_offset = bidb * p.cnt_batch_stride + head * p.cnt_head_stride + row;
+        int64_t const idx_offset = bidb * p.idx_batch_stride + head * p.idx_head_stride + row * p.idx_row_stride;
+        int const last_byte = min(p.idx_capacity * int(sizeof(int)), kPrefetchBytes) - 1;
+        auto warm = [](void const *address) { asm volatile("prefetch.global.L1 [%0];" :: "l"(address)); };
+        auto warm_list = [&](int const *cnt, int const *idx) {
+            if (cnt == nullptr || idx == nullptr) { return; }
+            warm(cnt + cnt_offset);
+            if (last_byte < 0) { return; }
+            char const *row_start = reinterpret_cast<char const *>(idx + idx_offset);
+            warm(row_start);
+            warm(row_start + last_byte);
+        };
+        warm_list(p.full_cnt, p.full_idx);
+        warm_list(p.mask_cnt, p.mask_idx);
+    }
+
     // The listed id, possibly out of range.
     CUTLASS_DEVICE int raw_block(int const entry) const {
         return entry < num_full ? full_idx[entry] : mask_idx[entry - num_full];
