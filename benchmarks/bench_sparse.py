@@ -596,7 +596,10 @@ PREFILL = [Shape("prefill B1 S16k H32 full", 1, 16384, 16384, 32, 32, d) for d i
 # and FA3_MAX_DENSITY_INVERSE).
 CROSSOVER = [Shape(f"crossover B1 Sq{sq} H32/8 Sk16k", 1, sq, 16384, 32, 8, d,
                    only=("fa2_sparse", "fa3_sparse", "fa4_sparse", "auto"))
-             for sq in (64, 128, 256, 512, 1024, 2048, 4096) for d in (1 / 4, 1 / 16)]
+             for sq in (64, 128, 256, 512, 1024, 2048, 4096) for d in (1 / 4, 1 / 16)] + \
+            [Shape(f"crossover causal B1 S{s // 1024}k H32/8", 1, s, s, 32, 8, d, causal=True,
+                   only=("fa2_sparse", "fa3_sparse", "fa4_sparse", "auto"))
+             for s in (4096, 16384) for d in (1 / 4, 1 / 16)]  # causal with GQA (auto's causal rule)
 
 
 def main():
