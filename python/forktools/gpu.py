@@ -163,6 +163,7 @@ def prepare_wheel(session: Session) -> Path | None:
         if session.forktools("build", "--fa4-only", output=session.logs / "build.log"):
             session.note("flash-attn-4 wheel: FAILED (see build.log)")
             return None
+        session.return_wheels = False  # carried: already on the other side (reuse_carried_fa3_wheel may build one)
         reuse_carried_fa3_wheel(session)
         session.env["PYTHONPATH"] = str(session.root / "python")
         session.note(f"wheel reused: {wheel.name} (no build); flash-attn-4 wheel built here; python/ first on the path")
@@ -213,6 +214,7 @@ def reuse_carried_fa3_wheel(session: Session) -> None:
     session.act("copy build/logs/units-flash-attn-3.txt to logs/", _copy_if_there,
                 session.root / "build/logs/units-flash-attn-3.txt", session.logs / "units-flash-attn-3.txt")
     took = BUILD_TIME.findall(session.read(log))
+    session.return_wheels = not rc
     session.note(f"flash_attn_3: built here ({names} is not {label}): " +
                  (f"in {took[-1]} s" if not rc and took else "FAILED (see build-fa3.log); the fa3 backend is absent"))
 
