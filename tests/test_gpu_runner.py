@@ -174,9 +174,10 @@ def test_the_mutation_step_succeeds_when_its_tests_fail(tmp_path, monkeypatch):
     assert outcomes == {1: 0, 0: 1}
 
 
-def test_reusing_the_fa2_wheel_installs_the_carried_fa3_wheel_only_when_it_is_this_commits(monkeypatch, tmp_path):
-    """--reuse-fa2-wheel (a Python-only change) keeps the fa3 backend: the carried flash_attn_3
-    wheel goes into dist/ when its label is this tree's, else a note says fa3 is absent."""
+def test_reusing_the_fa2_wheel_installs_the_carried_fa3_wheel_or_builds_fa3_alone(monkeypatch, tmp_path):
+    """--reuse-fa2-wheel (the FA-2 wheel carried) keeps the fa3 backend: the carried flash_attn_3
+    wheel goes into dist/ when its label is this tree's, else FA-3 is built here alone
+    (`forktools build --fa3-only`) and the wheels go back."""
     import argparse
     import tarfile
 
@@ -184,6 +185,13 @@ def test_reusing_the_fa2_wheel_installs_the_carried_fa3_wheel_only_when_it_is_th
     monkeypatch.setattr(build_fa3, "version_label", lambda layout, profile="dev", mutations=(): "sparse.1234567890.dev")
     root = tmp_path / "root"
     (root / ".carry" / "wheel").mkdir(parents=True)
+    builds = []
+
+    def fake_forktools(self, *args, output):
+        builds.append(args)
+        output.write_text("build fa3: dist/flash_attn_3-X.whl (14.0 MB) in 280 s\n")
+        return 0
+    monkeypatch.setattr(gpu.Session, "forktools", fake_forktools)
 
     def carry(wheel_name):
         wheel = tmp_path / wheel_name
@@ -192,15 +200,20 @@ def test_reusing_the_fa2_wheel_installs_the_carried_fa3_wheel_only_when_it_is_th
             tar.add(wheel, arcname=wheel_name)
 
     def session():
-        return gpu.Session(root=root, out=tmp_path / "out", scratch=tmp_path / "scratch", options=argparse.Namespace())
+        made = gpu.Session(root=root, out=tmp_path / "out", scratch=tmp_path / "scratch", options=argparse.Namespace())
+        made.logs.mkdir(parents=True, exist_ok=True)
+        made.return_wheels = False  # as prepare_wheel sets it before reuse_carried_fa3_wheel
+        return made
     this_commits = "flash_attn_3-3.0.0b1+sparse.1234567890.dev-cp312-cp312-linux_x86_64.whl"
     carry(this_commits)
-    gpu.reuse_carried_fa3_wheel(session())
-    assert (root / "dist" / this_commits).exists()
+    current = session()
+    gpu.reuse_carried_fa3_wheel(current)
+    assert (root / "dist" / this_commits).exists() and not builds and not current.return_wheels
 
     (root / "dist" / this_commits).unlink()
     carry("flash_attn_3-3.0.0b1+sparse.aaaaaaaaaa.dev-cp312-cp312-linux_x86_64.whl")
     stale = session()
     gpu.reuse_carried_fa3_wheel(stale)
-    assert not list((root / "dist").glob("*.whl"))
-    assert any("not this commit's" in note and "fa3 backend is absent" in note for note in stale.notes)
+    assert not list((root / "dist").glob("*.whl"))  # the stale wheel is not laid in
+    assert len(builds) == 1 and builds[0][:2] == ("build", "--fa3-only") and "--reuse" in builds[0]
+    assert stale.return_wheels and any("built here" in note and "in 280 s" in note for note in stale.notes)
