@@ -109,9 +109,10 @@ def test_run_goes_through_the_ops(monkeypatch, given_out):
 
 def test_the_one_shot_launcher_plans_once_and_passes_a_new_lse_per_call(monkeypatch):
     """With the extension's SparseForward the launcher plans once (fwd_out's arguments by name, an
-    out like q) and each launch passes its tensors, lists included, by name to run_with with a
-    new LSE: an LSE a caller keeps is never overwritten by a later call of the same shape. A
-    plan's launcher for outs of other strides (reuse_plan=False) goes through fwd_into."""
+    out like q) and each launch passes its tensors, lists included, by name to run_with and
+    returns the new LSE it returns: an LSE a caller keeps is never overwritten by a later call
+    of the same shape. A plan's launcher for outs of other strides (reuse_plan=False) goes
+    through fwd_into."""
     q, k, v = qkv()
     launched, made, runs = [], [], []
     fake_ops(monkeypatch, launched, with_direct=True)
@@ -129,7 +130,8 @@ def test_the_one_shot_launcher_plans_once_and_passes_a_new_lse_per_call(monkeypa
             assert not positional, "the extension's entry point takes every argument by name"
             runs.append(named)
             named["out"].fill_(1)
-            return named["softmax_lse"].fill_(len(runs))
+            q = named["q"]
+            return torch.full((q.shape[0], q.shape[2], q.shape[1]), float(len(runs)))  # a new LSE per call
 
     monkeypatch.setattr(fa3_ops, "planner", lambda: FakeSparseForward)
     call = calls.SparseCall(q, k, v, lists(), causal=False, softmax_scale=None, num_splits=2, backend="fa3")
@@ -143,7 +145,7 @@ def test_the_one_shot_launcher_plans_once_and_passes_a_new_lse_per_call(monkeypa
     assert lse1.shape == (B, H, SQ) and bool((lse1 == 1).all()) and bool((lse2 == 2).all())
     assert out1 is not out2 and bool((out1 == 1).all())
     assert runs[1]["full_idx"] is other.full_idx and set(runs[0]) == {
-        "q", "k", "v", "out", "softmax_lse", "full_cnt", "full_idx", "mask_cnt", "mask_idx", "cu_total_m_blocks",
+        "q", "k", "v", "out", "full_cnt", "full_idx", "mask_cnt", "mask_idx", "cu_total_m_blocks",
         "cu_block_idx_offsets", "cu_seqlens_q", "cu_seqlens_k"}
     given = torch.zeros_like(q)
     result, _ = fa3.launcher(call, 2, reuse_plan=False)(q, k, v, other, given)

@@ -60,9 +60,9 @@ def launcher(call, splits: int, out: Optional[Tensor] = None, reuse_plan: bool =
     of the same facts (as fa2.launcher); eager only (the one-shot cache's hit path, and a plan's
     run into an out of other strides). With reuse_plan and the extension's SparseForward: planned
     here once, for an out like `out` (None: a new one per launch, like q), each launch swapping in
-    its tensors, lists included, with a new LSE (run_with: no checks or parameters rebuilt per
-    call; its split partials from the allocator, so no buffer is held between calls). Else
-    through the extension's fwd_into, or the op fwd_out for a build without it."""
+    its tensors, lists included, and getting a new LSE (run_with: no checks or parameters rebuilt
+    per call; the LSE and split partials from the allocator, so no buffer is held between calls).
+    Else through the extension's fwd_into, or the op fwd_out for a build without it."""
     bound = _bound_args(call, splits)
     forward = fa3_ops.direct() or fa3_ops.op_out()  # both take fwd_out's arguments by name
     reused = planned(call, splits, torch.empty_like(call.q) if out is None else out) if reuse_plan else None
@@ -70,16 +70,13 @@ def launcher(call, splits: int, out: Optional[Tensor] = None, reuse_plan: bool =
         reused.release_run_buffers()  # run_with takes its buffers per call: the cache entry holds none
     else:
         reused = None  # an extension without run_with
-    lse_shape = (call.q.shape[1], call.q.shape[0]) if call.varlen else (call.q.shape[0], call.q.shape[2], call.q.shape[1])
 
     def launch(q, k, v, blocks, out, cu_seqlens_q=None, cu_seqlens_k=None, seqused_k=None, page_table=None):
         if out is None:
             out = torch.empty_like(q)
         lists = _list_args(blocks, cu_seqlens_q, cu_seqlens_k)
         if reused is not None:
-            lse = torch.empty(lse_shape, dtype=torch.float32, device=q.device)  # the caller's to keep
-            reused.run_with(q=q, k=k, v=v, out=out, softmax_lse=lse, **lists)
-            return out, lse
+            return out, reused.run_with(q=q, k=k, v=v, out=out, **lists)  # a new LSE: the caller's to keep
         return out, forward(q=q, k=k, v=v, out=out, **lists, **bound)
     return launch
 

@@ -312,9 +312,10 @@ at::Tensor mha_fwd_sparse_into(
 // parameters and the buffers at construction. run swaps in q, k, v and out, laid out as planned,
 // and launches; the lists, offsets and cu_seqlens are the caller's planned tensors, read at every
 // run, and the LSE is the plan's buffer, overwritten by the next run. run_with also swaps in the
-// lists, offsets and cu_seqlens (laid out as planned), writes a given LSE and takes its split
-// partials and tile counter from the allocator per call (stream-ordered, so any stream): the
-// one-shot cache's launch, whose entry drops run's buffers (release_run_buffers) to hold none.
+// lists, offsets and cu_seqlens (laid out as planned), returns a new LSE (or writes a given one)
+// and takes its split partials (one allocation) and tile counter from the allocator per call
+// (stream-ordered, so any stream): the one-shot cache's launch, whose entry drops run's buffers
+// (release_run_buffers) to hold none.
 class SparseForward {
 public:
     SparseForward(at::Tensor q, at::Tensor k, at::Tensor v, at::Tensor out, at::Tensor full_cnt, at::Tensor full_idx,
@@ -333,8 +334,8 @@ public:
                                  softmax_scale, block_size, q_block_size, causal, num_splits, pack_gqa);
         lse_sizes_ = launch_.softmax_lse.sizes().vec();
         if (launch_.out_accum.defined()) {
-            out_accum_sizes_ = launch_.out_accum.sizes().vec();
-            lse_accum_sizes_ = launch_.lse_accum.sizes().vec();
+            out_accum_numel_ = launch_.out_accum.numel();
+            lse_accum_numel_ = launch_.lse_accum.numel();
         }
         ListTensors const lists{full_cnt, full_idx, mask_cnt, mask_idx, cu_total_m_blocks, cu_block_idx_offsets,
                                 cu_seqlens_q, cu_seqlens_k};
@@ -351,11 +352,11 @@ public:
         return launch_.softmax_lse;
     }
 
-    at::Tensor run_with(at::Tensor q, at::Tensor k, at::Tensor v, at::Tensor out, at::Tensor softmax_lse,
+    at::Tensor run_with(at::Tensor q, at::Tensor k, at::Tensor v, at::Tensor out,
                         at::Tensor full_cnt, at::Tensor full_idx, c10::optional<at::Tensor> mask_cnt,
                         c10::optional<at::Tensor> mask_idx, c10::optional<at::Tensor> cu_total_m_blocks,
                         c10::optional<at::Tensor> cu_block_idx_offsets, c10::optional<at::Tensor> cu_seqlens_q,
-                        c10::optional<at::Tensor> cu_seqlens_k) {
+                        c10::optional<at::Tensor> cu_seqlens_k, c10::optional<at::Tensor> softmax_lse) {
         check_planned(q, k, v, out, "SparseForward.run_with");
         ListTensors const lists{full_cnt, full_idx, mask_cnt, mask_idx, cu_total_m_blocks, cu_block_idx_offsets,
                                 cu_seqlens_q, cu_seqlens_k};
@@ -363,16 +364,19 @@ public:
             TORCH_CHECK(has_layout(lists[i], list_layouts_[i]), "SparseForward.run_with: ", kListNames[i],
                         " must be given or left out as planned, an int32 tensor of the planned shape and strides on the planned device");
         }
-        TORCH_CHECK(softmax_lse.scalar_type() == at::kFloat && softmax_lse.device() == device_
-                    && softmax_lse.sizes() == at::IntArrayRef(lse_sizes_) && softmax_lse.is_contiguous(),
-                    "SparseForward.run_with: softmax_lse must be a contiguous float32 tensor of shape ",
-                    at::IntArrayRef(lse_sizes_), " on the planned device");
+        if (softmax_lse.has_value()) {
+            TORCH_CHECK(softmax_lse->scalar_type() == at::kFloat && softmax_lse->device() == device_
+                        && softmax_lse->sizes() == at::IntArrayRef(lse_sizes_) && softmax_lse->is_contiguous(),
+                        "SparseForward.run_with: softmax_lse must be a contiguous float32 tensor of shape ",
+                        at::IntArrayRef(lse_sizes_), " on the planned device");
+        }
         c10::cuda::CUDAGuard device_guard{device_};
         SparseLaunch launch = launch_;  // the planned parameters; this call's pointers below
         Flash_fwd_params &params = launch.params;
         swap_qkv_out(params, q, k, v, out);
-        launch.softmax_lse = softmax_lse;
-        params.softmax_lse_ptr = softmax_lse.data_ptr();
+        // A new LSE per call unless one is given (allocated here, not in Python: a few us less).
+        launch.softmax_lse = softmax_lse.has_value() ? *softmax_lse : at::empty(lse_sizes_, q.options().dtype(at::kFloat));
+        params.softmax_lse_ptr = launch.softmax_lse.data_ptr();
         auto &sp = params.sparse;
         sp.full_cnt = full_cnt.data_ptr<int>();
         sp.full_idx = full_idx.data_ptr<int>();
@@ -384,11 +388,14 @@ public:
             params.cu_seqlens_q = cu_seqlens_q->data_ptr<int>();
             params.cu_seqlens_k = cu_seqlens_k->data_ptr<int>();
         }
-        if (params.num_splits > 1) {  // contiguous, as planned: the parameters' strides hold
-            launch.out_accum = at::empty(out_accum_sizes_, q.options().dtype(at::kFloat));
-            launch.lse_accum = at::empty(lse_accum_sizes_, q.options().dtype(at::kFloat));
-            params.oaccum_ptr = launch.out_accum.data_ptr();
-            params.softmax_lseaccum_ptr = launch.lse_accum.data_ptr();
+        if (params.num_splits > 1) {
+            // Both split partials in one allocation, laid out as planned (contiguous): out_accum's
+            // floats, then lse_accum's (out_accum's count is a multiple of the head dim: aligned).
+            launch.out_accum = at::empty({out_accum_numel_ + lse_accum_numel_}, q.options().dtype(at::kFloat));
+            launch.lse_accum = at::Tensor();
+            float *partials = launch.out_accum.data_ptr<float>();
+            params.oaccum_ptr = partials;
+            params.softmax_lseaccum_ptr = partials + out_accum_numel_;
         }
         if (params.tile_count_semaphore != nullptr) {
             launch.tile_count_semaphore = at::empty({1}, q.options().dtype(at::kInt));
@@ -396,7 +403,7 @@ public:
         }
         launch_sparse(launch, out);
         keep_alive(lists);  // until the next run, as a plan keeps its own
-        return softmax_lse;
+        return launch.softmax_lse;
     }
 
     // Frees what only run uses (its LSE, split partials and tile counter); run_with allocates
@@ -461,7 +468,8 @@ private:
     at::ScalarType dtype_;
     std::vector<int64_t> q_sizes_, q_strides_, k_sizes_, k_strides_, v_strides_, out_strides_;
     SparseLaunch launch_;
-    std::vector<int64_t> lse_sizes_, out_accum_sizes_, lse_accum_sizes_;
+    std::vector<int64_t> lse_sizes_;
+    int64_t out_accum_numel_ = 0, lse_accum_numel_ = 0;
     bool released_ = false;
     std::array<Layout, 8> list_layouts_;
     std::vector<at::Tensor> lists_;
@@ -561,10 +569,11 @@ int flash_sparse_add_python_api(PyObject *module) {
             .def("run", &SparseForward::run, "Launch over q, k, v into out; returns the plan's LSE",
                  py::arg("q"), py::arg("k"), py::arg("v"), py::arg("out"))
             .def("run_with", &SparseForward::run_with,
-                 "Launch over q, k, v and the given lists (laid out as planned) into out, the LSE into softmax_lse",
-                 py::arg("q"), py::arg("k"), py::arg("v"), py::arg("out"), py::arg("softmax_lse"), py::arg("full_cnt"),
-                 py::arg("full_idx"), py::arg("mask_cnt"), py::arg("mask_idx"), py::arg("cu_total_m_blocks"),
-                 py::arg("cu_block_idx_offsets"), py::arg("cu_seqlens_q"), py::arg("cu_seqlens_k"))
+                 "Launch over q, k, v and the given lists (laid out as planned) into out; returns the LSE, "
+                 "a new one unless softmax_lse is given",
+                 py::arg("q"), py::arg("k"), py::arg("v"), py::arg("out"), py::arg("full_cnt"), py::arg("full_idx"),
+                 py::arg("mask_cnt"), py::arg("mask_idx"), py::arg("cu_total_m_blocks"), py::arg("cu_block_idx_offsets"),
+                 py::arg("cu_seqlens_q"), py::arg("cu_seqlens_k"), py::arg("softmax_lse") = py::none())
             .def("release_run_buffers", &SparseForward::release_run_buffers,
                  "Free run's LSE, split partials and tile counter (run_with allocates its own); run is refused after");
         m.def("fwd_into", &mha_fwd_sparse_into, "fwd_out without the dispatcher: the forward into out; returns the LSE",
