@@ -202,18 +202,18 @@ def test_reusing_the_fa2_wheel_installs_the_carried_fa3_wheel_or_builds_fa3_alon
     def session():
         made = gpu.Session(root=root, out=tmp_path / "out", scratch=tmp_path / "scratch", options=argparse.Namespace())
         made.logs.mkdir(parents=True, exist_ok=True)
-        made.return_wheels = False  # as prepare_wheel sets it before reuse_carried_fa3_wheel
+        made.return_wheels = False  # as prepare_wheel sets it before carried_or_built_fa3_wheel
         return made
     this_commits = "flash_attn_3-3.0.0b1+sparse.1234567890.dev-cp312-cp312-linux_x86_64.whl"
     carry(this_commits)
     current = session()
-    gpu.reuse_carried_fa3_wheel(current)
+    gpu.carried_or_built_fa3_wheel(current)
     assert (root / "dist" / this_commits).exists() and not builds and not current.return_wheels
 
     (root / "dist" / this_commits).unlink()
     carry("flash_attn_3-3.0.0b1+sparse.aaaaaaaaaa.dev-cp312-cp312-linux_x86_64.whl")
     stale = session()
-    gpu.reuse_carried_fa3_wheel(stale)
+    gpu.carried_or_built_fa3_wheel(stale)
     assert not list((root / "dist").glob("*.whl"))  # the stale wheel is not laid in
     assert len(builds) == 1 and builds[0][:2] == ("build", "--fa3-only") and "--reuse" in builds[0]
     assert stale.return_wheels and any("built here" in note and "in 280 s" in note for note in stale.notes)

@@ -163,8 +163,8 @@ def prepare_wheel(session: Session) -> Path | None:
         if session.forktools("build", "--fa4-only", output=session.logs / "build.log"):
             session.note("flash-attn-4 wheel: FAILED (see build.log)")
             return None
-        session.return_wheels = False  # carried: already on the other side (reuse_carried_fa3_wheel may build one)
-        reuse_carried_fa3_wheel(session)
+        session.return_wheels = False  # carried: already on the other side (carried_or_built_fa3_wheel may build one)
+        carried_or_built_fa3_wheel(session)
         session.env["PYTHONPATH"] = str(session.root / "python")
         session.note(f"wheel reused: {wheel.name} (no build); flash-attn-4 wheel built here; python/ first on the path")
         return wheel
@@ -194,7 +194,7 @@ def prepare_wheel(session: Session) -> Path | None:
     return wheel
 
 
-def reuse_carried_fa3_wheel(session: Session) -> None:
+def carried_or_built_fa3_wheel(session: Session) -> None:
     """With --reuse-fa2-wheel: the carried flash_attn_3 wheel into dist/ when it is this commit's
     (its label hashes the FA-3 patches and overlay, not python/), else FA-3 built here alone."""
     carried = session.root / CARRIED_FA3_WHEEL
