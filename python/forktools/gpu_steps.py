@@ -396,6 +396,15 @@ def host_time(session) -> str:
     return f"host time: {'host-time.md' if (session.out / 'host-time.md').exists() else 'FAILED (see host-time.log)'}"
 
 
+def host_profile(session) -> str:
+    """cProfile of the one-shot call per backend (benchmarks/one_shot_profile.py), into logs/: the
+    device tool returns few files, and the logs come back as one tarball."""
+    log = session.logs / "one-shot-profile.log"
+    session.run([PY, "benchmarks/one_shot_profile.py", "--out", session.logs], output=log, timeout=120)
+    found = (session.logs / "one-shot-profile.txt").exists()
+    return f"one-shot profile: {'logs/one-shot-profile.txt' if found else 'FAILED (see one-shot-profile.log)'}"
+
+
 def examples(session) -> str:
     results = []
     for example in sorted((session.root / "examples").glob("*.py")):
@@ -451,5 +460,6 @@ STEPS = {
     "upstream-fa3": ("upstream FA-3 hopper/test_flash_attn.py forward tests on flash_attn_3 (--upstream-fa3-k)", upstream_fa3),
     "distributed": ("the context-parallel tests on one GPU (tests/test_distributed_gpu.py)", distributed),
     "host-time": ("benchmarks/host_time.py: where plan.run's and the one-shot call's host time goes, per backend", host_time),
+    "host-profile": ("benchmarks/one_shot_profile.py: cProfile of the one-shot call per backend, into logs/", host_profile),
     "client-bench": ("examples/transformers_quest.py --bench at 32k, 1/8: tokens/s eager and graphed vs dense SDPA", client_bench),
 }
