@@ -340,3 +340,47 @@ def test_a_fa3_plan_runs_the_extensions_planned_forward(fake_gpu, monkeypatch):
     assert result is strided and outs == [strided] and len(runs) == 1
     with pytest.raises(SparseInputError, match="^v: the plan was made for shape"):
         plan.run(q2, k2, v2[:, :7])
+
+
+@pytest.mark.parametrize("with_run_with", [True, False])
+def test_the_fa2_one_shot_cache_plans_once_and_passes_each_calls_lists_by_name(fake_gpu, monkeypatch, with_run_with):
+    """With the extension's SparseForward.run_with, the one-shot cache's fa2 entry plans once (an
+    out like q), drops run's buffers, and each call passes its tensors and lists by name and gets
+    a new LSE back; a build without run_with launches through sparse_fwd as before."""
+    made, runs = [], []
+
+    class FakeSparseForward:
+        def __init__(self, **kwargs):
+            made.append(kwargs)
+            self.released = False
+
+        def run(self, q, k, v, out):
+            raise AssertionError("the one-shot cache does not use run")
+
+        def release_run_buffers(self):
+            self.released = True
+
+        def run_with(self, *positional, **named):
+            assert self.released and not positional, "by name, after run's buffers were dropped"
+            runs.append(named)
+            q = named["q"]
+            return torch.full((q.shape[0], q.shape[2], q.shape[1]), float(len(runs)))
+
+    if not with_run_with:
+        del FakeSparseForward.run_with
+    monkeypatch.setattr(ops, "planned_forward", PLANNED_FORWARD)
+    monkeypatch.setattr(ops, "_cuda_module", lambda: type("Extension", (), {"SparseForward": FakeSparseForward}))
+    q, k, v = qkv()
+    first, second = (torch.tensor(ids, dtype=torch.int32) for ids in ([0, 3], [5, 1]))
+    out1, lse1 = one_shot(q, k, v, first)
+    out2, lse2 = one_shot(q, k, v, second)
+    assert len(made) == 1 and made[0]["out"].shape == q.shape and out1 is not out2
+    if with_run_with:
+        assert not fake_gpu["launches"] and len(runs) == 2
+        assert bool((lse1 == 1).all()) and bool((lse2 == 2).all())
+        assert set(runs[0]) == {"q", "k", "v", "out", "full_cnt", "full_idx", "mask_cnt", "mask_idx", "cu_seqlens_q",
+                                "cu_seqlens_k", "seqused_k", "page_table", "cu_total_m_blocks", "cu_block_idx_offsets"}
+        assert runs[0]["q"] is q and runs[1]["out"] is out2
+        assert not torch.equal(runs[0]["full_idx"], runs[1]["full_idx"])  # each call's own lists
+    else:
+        assert not runs and [name for name, _ in fake_gpu["launches"]] == ["direct", "direct"]

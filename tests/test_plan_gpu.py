@@ -219,3 +219,32 @@ def test_the_speculative_forms_write_out_in_place(form):
     result, lse = call(out=out)
     assert result is out and torch.equal(out, expected_out) and torch.equal(lse, expected_lse)
     assert_close_to_reference(out, lse, q, k, v, visible_for(torch.tensor(spec_ids + missed_ids), seqlen_q=16))
+
+
+@pytest.mark.parametrize("num_splits", [0, 1, 3])
+def test_fa2_one_shot_calls_of_one_shape_keep_their_own_lse_on_any_stream(num_splits):
+    """The one-shot cache runs one planned FA-2 forward per shape (SparseForward.run_with) over each
+    call's own lists with a new LSE: a second call of the same shape with other lists, on the same
+    stream and on another, leaves the first call's out and LSE as they were, and each equals the
+    uncached op bitwise."""
+    from flash_attn_sparse import calls, interface
+    from flash_attn_sparse.backends import fa2
+    q, k, v = inputs(21)
+    first, second, third = per_kv_head_lists(22), per_kv_head_lists(23), per_kv_head_lists(24)
+    interface._decisions.clear()
+    run = lambda blocks: fas.flash_attn_with_sparse_block_table(q, k, v, blocks, backend="fa2", num_splits=num_splits)  # noqa: E731
+    out1, lse1 = run(first)
+    kept = out1.clone(), lse1.clone()
+    out2, lse2 = run(second)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        out3, lse3 = run(third)
+    torch.cuda.current_stream().wait_stream(side)
+    torch.cuda.synchronize()
+    assert len(interface._decisions) == 1
+    assert torch.equal(out1, kept[0]) and torch.equal(lse1, kept[1]) and lse1.data_ptr() != lse2.data_ptr()
+    for blocks, out, lse in ((first, out1, lse1), (second, out2, lse2), (third, out3, lse3)):
+        call = calls.SparseCall(q, k, v, blocks, causal=False, softmax_scale=None, num_splits=num_splits, backend="fa2")
+        ref_out, ref_lse = fa2.run(call, fa2.num_splits(call))
+        assert torch.equal(out, ref_out) and torch.equal(lse, ref_lse)

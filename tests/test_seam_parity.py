@@ -138,3 +138,21 @@ def test_fa3_run_with_takes_the_op_fwd_outs_tensors_and_an_lse():
     assert tensors[-1] == "cu_seqlens_k"
     assert names == ["q", "k", "v", "out"] + tensors + ["softmax_lse"]
     assert 'py::arg("softmax_lse") = py::none()' in body[:body.index(");")]
+
+
+def test_fa2_run_with_names_run_s_tensors_then_the_constructor_s_lists_in_order():
+    """SparseForward.run_with (the fa2 one-shot launcher's call, by name) takes run's q, k, v, out
+    and then the constructor's list, offset, seqused_k and page-table tensors in their order, as
+    flash_api_sparse.h declares it and patch 0005 binds it, keyword-only."""
+    text = BINDINGS_PATCH.read_text().replace("\n+             ", " ")
+    body = text[text.index('.def("run_with", &FLASH_NAMESPACE::SparseForward::run_with'):]
+    body = body[:body.index('.def("release_run_buffers"')]
+    assert "py::kw_only()" in body
+    bound = re.findall(r'py::arg\("(\w+)"\)', body)
+    header = (OVERLAY / "flash_api_sparse.h").read_text()
+    declared = [p.split()[-1].lstrip("&") for p in re.search(r"\brun_with\((.*?)\);", header, re.S).group(1).split(",")]
+    lists = ["full_cnt", "full_idx", "mask_cnt", "mask_idx", "cu_seqlens_q", "cu_seqlens_k", "seqused_k", "page_table",
+             "cu_total_m_blocks", "cu_block_idx_offsets"]
+    assert bound == declared == ["q", "k", "v", "out"] + lists
+    constructor = re.search(r"\bSparseForward\((.*?)\);", header, re.S).group(1)
+    assert [p.split()[-1].lstrip("&") for p in constructor.split(",")][4:14] == lists

@@ -144,17 +144,28 @@ def launcher(call, splits: int, out: Optional[Tensor] = None) -> Callable:
     of the same facts (shapes, strides, dtypes, devices), straight through the extension with
     every other argument bound here once (the one-shot cache's hit path; not traceable).
     tensors: cu_seqlens_q, cu_seqlens_k, seqused_k, page_table. Not for speculative calls (their
-    mask lists and source are the call's own). `out` (the layout of the outs to come) is not
-    needed here: the extension's sparse_fwd takes any out like q."""
+    mask lists and source are the call's own). With the extension's SparseForward.run_with: planned
+    here once for outs like `out` (None: a new one per launch, like q), each launch swapping in its
+    tensors, lists included, and getting a new LSE (no checks or parameters rebuilt per call; the
+    LSE and split partials from the allocator, so no buffer is held between calls). Else through
+    the extension's sparse_fwd, which checks and allocates per call and takes any out like q."""
     assert call.mask_lists is None and call.mask_source is None
-    bound = {name: value for name, value in ops.extension_args(op_args(call, splits)).items() if not isinstance(value, Tensor)}
+    extension_args = ops.extension_args(op_args(call, splits))
+    bound = {name: value for name, value in extension_args.items() if not isinstance(value, Tensor)}
+    reused = ops.planned_forward(extension_args, call.q, call.k, call.v,
+                                 torch.empty_like(call.q) if out is None else out)
+    if reused is not None and hasattr(reused, "run_with"):
+        reused.release_run_buffers()  # run_with takes its buffers per call: the cache entry holds none
+    else:
+        reused = None  # a build without run_with
 
     def launch(q, k, v, blocks, out, cu_seqlens_q=None, cu_seqlens_k=None, seqused_k=None, page_table=None):
         if out is None:
             out = torch.empty_like(q)
-        return out, ops.launch_direct(dict(bound, q=q, k=k, v=v, full_cnt=blocks.full_cnt, full_idx=blocks.full_idx,
-                                           mask_cnt=blocks.mask_cnt, mask_idx=blocks.mask_idx,
-                                           cu_total_m_blocks=blocks.cu_total_m_blocks,
-                                           cu_block_idx_offsets=blocks.cu_block_idx_offsets, cu_seqlens_q=cu_seqlens_q,
-                                           cu_seqlens_k=cu_seqlens_k, seqused_k=seqused_k, page_table=page_table), out)
+        lists = dict(full_cnt=blocks.full_cnt, full_idx=blocks.full_idx, mask_cnt=blocks.mask_cnt, mask_idx=blocks.mask_idx,
+                     cu_total_m_blocks=blocks.cu_total_m_blocks, cu_block_idx_offsets=blocks.cu_block_idx_offsets,
+                     cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, seqused_k=seqused_k, page_table=page_table)
+        if reused is not None:
+            return out, reused.run_with(q=q, k=k, v=v, out=out, **lists)  # a new LSE: the caller's to keep
+        return out, ops.launch_direct(dict(bound, q=q, k=k, v=v, **lists), out)
     return launch

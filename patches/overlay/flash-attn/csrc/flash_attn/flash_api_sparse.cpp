@@ -422,23 +422,49 @@ SparseForward::SparseForward(
                              page_table, cu_total_m_blocks, cu_block_idx_offsets, max_seqlen_q, max_seqlen_k, block_size,
                              q_block_size, softmax_scale, is_causal, num_splits, pack_gqa, std::nullopt, std::nullopt, 0,
                              std::nullopt, std::nullopt);
-    lists_ = {full_cnt, full_idx};
-    for (const auto &t : {mask_cnt, mask_idx, cu_seqlens_q, cu_seqlens_k, seqused_k, page_table, cu_total_m_blocks, cu_block_idx_offsets}) {
+    lse_sizes_ = launch_.softmax_lse.sizes().vec();
+    if (launch_.out_accum.defined()) {
+        out_accum_numel_ = launch_.out_accum.numel();
+        lse_accum_numel_ = launch_.lse_accum.numel();
+    }
+    const ListTensors lists{full_cnt, full_idx, mask_cnt, mask_idx, cu_seqlens_q, cu_seqlens_k, seqused_k, page_table,
+                            cu_total_m_blocks, cu_block_idx_offsets};
+    for (size_t i = 0; i < lists.size(); ++i) {
+        if (lists[i].has_value()) { list_layouts_[i] = {true, lists[i]->sizes().vec(), lists[i]->strides().vec()}; }
+    }
+    keep_alive(lists);
+}
+
+void SparseForward::check_planned(const at::Tensor &q, const at::Tensor &k, const at::Tensor &v, const at::Tensor &out,
+                                  const char *what) const {
+    // The parameters hold the planned strides: the tensors must be laid out as planned.
+    TORCH_CHECK(q.scalar_type() == dtype_ && k.scalar_type() == dtype_ && v.scalar_type() == dtype_ && out.scalar_type() == dtype_,
+                what, ": q, k, v and out must have the planned dtype");
+    TORCH_CHECK(q.device() == device_ && k.device() == device_ && v.device() == device_ && out.device() == device_,
+                what, ": q, k, v and out must be on the planned device");
+    TORCH_CHECK(q.sizes() == at::IntArrayRef(q_sizes_) && q.strides() == at::IntArrayRef(q_strides_)
+                && k.sizes() == at::IntArrayRef(k_sizes_) && v.sizes() == at::IntArrayRef(k_sizes_)
+                && k.strides() == at::IntArrayRef(k_strides_) && v.strides() == at::IntArrayRef(v_strides_)
+                && out.sizes() == at::IntArrayRef(q_sizes_) && out.strides() == at::IntArrayRef(out_strides_),
+                what, ": q, k, v and out must have the planned shapes and strides");
+}
+
+bool SparseForward::has_layout(const std::optional<at::Tensor> &t, const Layout &planned) const {
+    if (!t.has_value()) { return !planned.given; }
+    return planned.given && t->scalar_type() == at::kInt && t->device() == device_
+           && t->sizes() == at::IntArrayRef(planned.sizes) && t->strides() == at::IntArrayRef(planned.strides);
+}
+
+void SparseForward::keep_alive(const ListTensors &lists) {
+    lists_.clear();
+    for (const auto &t : lists) {
         if (t.has_value()) { lists_.push_back(*t); }
     }
 }
 
 at::Tensor SparseForward::run(const at::Tensor &q, const at::Tensor &k, const at::Tensor &v, at::Tensor out) {
-    // The parameters hold the planned strides: the tensors must be laid out as planned.
-    TORCH_CHECK(q.scalar_type() == dtype_ && k.scalar_type() == dtype_ && v.scalar_type() == dtype_ && out.scalar_type() == dtype_,
-                "SparseForward.run: q, k, v and out must have the planned dtype");
-    TORCH_CHECK(q.device() == device_ && k.device() == device_ && v.device() == device_ && out.device() == device_,
-                "SparseForward.run: q, k, v and out must be on the planned device");
-    TORCH_CHECK(q.sizes() == at::IntArrayRef(q_sizes_) && q.strides() == at::IntArrayRef(q_strides_)
-                && k.sizes() == at::IntArrayRef(k_sizes_) && v.sizes() == at::IntArrayRef(k_sizes_)
-                && k.strides() == at::IntArrayRef(k_strides_) && v.strides() == at::IntArrayRef(v_strides_)
-                && out.sizes() == at::IntArrayRef(q_sizes_) && out.strides() == at::IntArrayRef(out_strides_),
-                "SparseForward.run: q, k, v and out must have the planned shapes and strides");
+    TORCH_CHECK(!released_, "SparseForward.run: its buffers were released (release_run_buffers); use run_with");
+    check_planned(q, k, v, out, "SparseForward.run");
     at::cuda::CUDAGuard device_guard{device_};
     launch_.params.q_ptr = q.data_ptr();
     launch_.params.k_ptr = k.data_ptr();
@@ -447,6 +473,67 @@ at::Tensor SparseForward::run(const at::Tensor &q, const at::Tensor &k, const at
     launch_.out = out;
     launch_sparse(launch_);
     return launch_.softmax_lse;
+}
+
+at::Tensor SparseForward::run_with(const at::Tensor &q, const at::Tensor &k, const at::Tensor &v, at::Tensor out,
+                                   const at::Tensor &full_cnt, const at::Tensor &full_idx,
+                                   std::optional<at::Tensor> mask_cnt, std::optional<at::Tensor> mask_idx,
+                                   std::optional<at::Tensor> cu_seqlens_q, std::optional<at::Tensor> cu_seqlens_k,
+                                   std::optional<at::Tensor> seqused_k, std::optional<at::Tensor> page_table,
+                                   std::optional<at::Tensor> cu_total_m_blocks, std::optional<at::Tensor> cu_block_idx_offsets) {
+    static constexpr std::array<const char *, 10> kListNames{
+        "full_cnt", "full_idx", "mask_cnt", "mask_idx", "cu_seqlens_q", "cu_seqlens_k", "seqused_k", "page_table",
+        "cu_total_m_blocks", "cu_block_idx_offsets"};
+    check_planned(q, k, v, out, "SparseForward.run_with");
+    const ListTensors lists{full_cnt, full_idx, mask_cnt, mask_idx, cu_seqlens_q, cu_seqlens_k, seqused_k, page_table,
+                            cu_total_m_blocks, cu_block_idx_offsets};
+    for (size_t i = 0; i < lists.size(); ++i) {
+        TORCH_CHECK(has_layout(lists[i], list_layouts_[i]), "SparseForward.run_with: ", kListNames[i],
+                    " must be given or left out as planned, an int32 tensor of the planned shape and strides on the planned device");
+    }
+    at::cuda::CUDAGuard device_guard{device_};
+    SparseLaunch launch = launch_;  // the planned parameters; this call's pointers below
+    Flash_fwd_params &params = launch.params;
+    params.q_ptr = q.data_ptr();
+    params.k_ptr = k.data_ptr();
+    params.v_ptr = v.data_ptr();
+    params.o_ptr = out.data_ptr();
+    launch.out = out;
+    launch.softmax_lse = torch::empty(lse_sizes_, q.options().dtype(at::kFloat));  // the caller's to keep
+    params.softmax_lse_ptr = launch.softmax_lse.data_ptr();
+    params.sparse_full_cnt = full_cnt.data_ptr<int>();
+    params.sparse_full_idx = full_idx.data_ptr<int>();
+    params.sparse_mask_cnt = mask_cnt.has_value() ? mask_cnt->data_ptr<int>() : nullptr;
+    params.sparse_mask_idx = mask_idx.has_value() ? mask_idx->data_ptr<int>() : nullptr;
+    params.cu_seqlens_q = cu_seqlens_q.has_value() ? cu_seqlens_q->data_ptr<int>() : nullptr;
+    params.cu_seqlens_k = cu_seqlens_k.has_value() ? cu_seqlens_k->data_ptr<int>() : nullptr;
+    params.seqused_k = seqused_k.has_value() ? seqused_k->data_ptr<int>() : nullptr;
+    if (page_table.has_value()) { params.block_table = page_table->data_ptr<int>(); }
+    if (cu_total_m_blocks.has_value()) {  // varlen (has_layout checked both offsets against the plan)
+        params.sparse_cu_total_m_blocks = cu_total_m_blocks->data_ptr<int>();
+        params.sparse_cu_block_idx_offsets = cu_block_idx_offsets->data_ptr<int>();
+    }
+    if (out_accum_numel_ > 0) {
+        // Both split partials in one allocation, laid out as planned (contiguous): out_accum's
+        // floats, then lse_accum's (out_accum's count is a multiple of the rounded head dim).
+        launch.out_accum = torch::empty({out_accum_numel_ + lse_accum_numel_}, q.options().dtype(at::kFloat));
+        launch.lse_accum = at::Tensor();
+        float *partials = launch.out_accum.data_ptr<float>();
+        params.oaccum_ptr = partials;
+        params.softmax_lseaccum_ptr = partials + out_accum_numel_;
+    }
+    launch_sparse(launch);
+    keep_alive(lists);  // until the next call, as a plan keeps its own
+    return launch.softmax_lse;
+}
+
+void SparseForward::release_run_buffers() {
+    launch_.softmax_lse = at::Tensor();
+    launch_.out_accum = at::Tensor();
+    launch_.lse_accum = at::Tensor();
+    launch_.out = at::Tensor();
+    lists_.clear();
+    released_ = true;
 }
 
 void mha_combine(const at::Tensor &out_partial, const at::Tensor &lse_partial,

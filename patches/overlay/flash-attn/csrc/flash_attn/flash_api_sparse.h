@@ -5,6 +5,7 @@
 
 #pragma once
 
+#include <array>
 #include <optional>
 #include <tuple>
 #include <vector>
@@ -53,7 +54,10 @@ struct SparseLaunch {
 // and no second K/V source), checks them, fills the parameters and allocates the LSE and split
 // buffers; run(q, k, v, out) swaps in tensors of the planned shapes, strides and dtype and
 // launches, returning the plan's LSE buffer (the next run overwrites it). The lists, offsets and
-// page table are the caller's tensors, read at every run.
+// page table are the caller's tensors, read at every run. run_with also swaps in the lists,
+// offsets, seqused_k and page table (laid out as planned), returns a new LSE and takes its split
+// partials from the allocator per call (stream-ordered, so any stream): the one-shot cache's
+// launch, whose entry drops run's buffers (release_run_buffers) to hold none.
 class SparseForward {
   public:
     SparseForward(const at::Tensor &q, const at::Tensor &k, const at::Tensor &v, at::Tensor out,
@@ -65,12 +69,34 @@ class SparseForward {
                   int max_seqlen_q, int max_seqlen_k, int block_size, int q_block_size,
                   double softmax_scale, bool is_causal, int num_splits, bool pack_gqa);
     at::Tensor run(const at::Tensor &q, const at::Tensor &k, const at::Tensor &v, at::Tensor out);
+    at::Tensor run_with(const at::Tensor &q, const at::Tensor &k, const at::Tensor &v, at::Tensor out,
+                        const at::Tensor &full_cnt, const at::Tensor &full_idx,
+                        std::optional<at::Tensor> mask_cnt, std::optional<at::Tensor> mask_idx,
+                        std::optional<at::Tensor> cu_seqlens_q, std::optional<at::Tensor> cu_seqlens_k,
+                        std::optional<at::Tensor> seqused_k, std::optional<at::Tensor> page_table,
+                        std::optional<at::Tensor> cu_total_m_blocks, std::optional<at::Tensor> cu_block_idx_offsets);
+    // Frees what only run uses (its LSE, split partials and lists); run is refused after.
+    void release_run_buffers();
 
   private:
+    // The constructor's and run_with's list arguments, in their order.
+    using ListTensors = std::array<std::optional<at::Tensor>, 10>;
+    struct Layout {
+        bool given = false;
+        std::vector<int64_t> sizes, strides;
+    };
+    void check_planned(const at::Tensor &q, const at::Tensor &k, const at::Tensor &v, const at::Tensor &out,
+                       const char *what) const;
+    bool has_layout(const std::optional<at::Tensor> &t, const Layout &planned) const;
+    void keep_alive(const ListTensors &lists);
+
     SparseLaunch launch_;
     at::Device device_;
-    std::vector<int64_t> q_sizes_, q_strides_, k_sizes_, k_strides_, v_strides_, out_strides_;
+    std::vector<int64_t> q_sizes_, q_strides_, k_sizes_, k_strides_, v_strides_, out_strides_, lse_sizes_;
+    int64_t out_accum_numel_ = 0, lse_accum_numel_ = 0;
     at::ScalarType dtype_;
+    std::array<Layout, 10> list_layouts_;
+    bool released_ = false;
     std::vector<at::Tensor> lists_;  // kept alive: the parameters point into them
 };
 
