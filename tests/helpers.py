@@ -88,3 +88,20 @@ def gather_speculative(q, k, v, spec, missed, block_size):
     rows = torch.arange(seqlen_q, device=q.device)[:, None]
     visible[:, miss_pos.numel():] = torch.arange(n_spec, device=q.device)[None, :] <= rows + n_spec - seqlen_q
     return k_spec, v_spec, table, (keys, values, visible)
+
+
+def one_shot_calls_on_two_streams(run, first, second, third):
+    """run(blocks) -> (out, lse) over three lists of one shape: the first two calls on the current
+    stream, the third on a side stream. Asserts that the later calls left the first call's out
+    and LSE as they were (a new LSE per call); returns [(blocks, out, lse)] for each call."""
+    out1, lse1 = run(first)
+    kept = out1.clone(), lse1.clone()
+    out2, lse2 = run(second)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        out3, lse3 = run(third)
+    torch.cuda.current_stream().wait_stream(side)
+    torch.cuda.synchronize()
+    assert torch.equal(out1, kept[0]) and torch.equal(lse1, kept[1]) and lse1.data_ptr() != lse2.data_ptr()
+    return [(first, out1, lse1), (second, out2, lse2), (third, out3, lse3)]

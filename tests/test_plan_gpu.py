@@ -14,7 +14,7 @@ from flash_attn_sparse import SparseBlocks
 from flash_attn_sparse.backends import fa4
 from flash_attn_sparse.metadata import pack_varlen_lists
 from flash_attn_sparse.reference import block_positions
-from helpers import assert_close_to_reference, random_qkv
+from helpers import assert_close_to_reference, one_shot_calls_on_two_streams, random_qkv
 
 pytestmark = pytest.mark.gpu
 
@@ -233,18 +233,9 @@ def test_fa2_one_shot_calls_of_one_shape_keep_their_own_lse_on_any_stream(num_sp
     first, second, third = per_kv_head_lists(22), per_kv_head_lists(23), per_kv_head_lists(24)
     interface._decisions.clear()
     run = lambda blocks: fas.flash_attn_with_sparse_block_table(q, k, v, blocks, backend="fa2", num_splits=num_splits)  # noqa: E731
-    out1, lse1 = run(first)
-    kept = out1.clone(), lse1.clone()
-    out2, lse2 = run(second)
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        out3, lse3 = run(third)
-    torch.cuda.current_stream().wait_stream(side)
-    torch.cuda.synchronize()
+    results = one_shot_calls_on_two_streams(run, first, second, third)
     assert len(interface._decisions) == 1
-    assert torch.equal(out1, kept[0]) and torch.equal(lse1, kept[1]) and lse1.data_ptr() != lse2.data_ptr()
-    for blocks, out, lse in ((first, out1, lse1), (second, out2, lse2), (third, out3, lse3)):
+    for blocks, out, lse in results:
         call = calls.SparseCall(q, k, v, blocks, causal=False, softmax_scale=None, num_splits=num_splits, backend="fa2")
         ref_out, ref_lse = fa2.run(call, fa2.num_splits(call))
         assert torch.equal(out, ref_out) and torch.equal(lse, ref_lse)

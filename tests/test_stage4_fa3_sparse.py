@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from contract import BLOCK, causal_split_rows, check_batched, gapped_permuted, make_qkv, pack_rows, varlen_inputs
-from helpers import poison_allocator, random_qkv
+from helpers import one_shot_calls_on_two_streams, poison_allocator, random_qkv
 
 
 def _load_op():
@@ -320,18 +320,9 @@ def test_one_shot_calls_of_one_shape_keep_their_own_lse_on_any_stream(num_splits
     first, second, third = lists(), lists(), lists()
     interface._decisions.clear()
     run = lambda blocks: fas.flash_attn_with_sparse_block_table(q, k, v, blocks, backend="fa3", num_splits=num_splits)  # noqa: E731
-    out1, lse1 = run(first)
-    kept = out1.clone(), lse1.clone()
-    out2, lse2 = run(second)
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        out3, lse3 = run(third)
-    torch.cuda.current_stream().wait_stream(side)
-    torch.cuda.synchronize()
+    results = one_shot_calls_on_two_streams(run, first, second, third)
     assert len(interface._decisions) == 1 and fa3_ops.planner() is not None
-    assert torch.equal(out1, kept[0]) and torch.equal(lse1, kept[1]) and lse1.data_ptr() != lse2.data_ptr()
-    for blocks, out, lse in ((first, out1, lse1), (second, out2, lse2), (third, out3, lse3)):
+    for blocks, out, lse in results:
         call = calls_for(q, k, v, blocks, num_splits)
         ref_out, ref_lse = fa3.run(call, num_splits)
         assert torch.equal(out, ref_out) and torch.equal(lse, ref_lse)
