@@ -482,7 +482,9 @@ def bench_shape(shape, roofline, rows, methods, pristine=False):
         for splits in (1, 2, 4, 8, 16, 32, 64):  # 32, 64: one or two blocks per split at B1 1/16
             add(f"fa4_sparse splits={splits}", ours("fa4", splits))
     if "auto" in methods and not fa4_missing:
-        add("auto", ours("auto"), f"chose {fas.choose_backend(q, k, v, blocks[0], causal=shape.causal)[0]}")
+        graph_choice, eager_choice = (fas.choose_backend(q, k, v, blocks[0], causal=shape.causal, graph=graph)[0]
+                                      for graph in (True, False))
+        add("auto", ours("auto"), f"chose {graph_choice}" + (f", eagerly {eager_choice}" if eager_choice != graph_choice else ""))
     if "plan_run" in methods:
         # Plan once, run many: a SparsePlan per list set made outside the timing; run() is timed,
         # for host_us beside the API call's (auto, fa2_sparse, fa3_sparse rows).

@@ -86,3 +86,45 @@ def test_a_requested_backend_is_kept_or_refused_with_its_reason(builds):
     builds.fa3 = "no fa3 here"
     with pytest.raises(Exception, match="'fa3' cannot run this call: no fa3 here"):
         interface.choose(call(**PREFILL, list_blocks=8, requested="fa3"))
+
+
+def test_outside_a_graph_capture_short_fa4_calls_go_where_auto_would_send_them_without_fa4(builds, monkeypatch):
+    """FA4_EAGER_HOST_US: eagerly a call costs the longer of its host and GPU time, and FA-4's host
+    time is 10-20x the others', so auto's FA-4 choice runs elsewhere when FA-4's modelled GPU time
+    is below it; run 119's crossover shapes (B1 H32/8) fall as they measured eagerly."""
+    monkeypatch.setattr(fa4, "num_sms", lambda index: 132)
+    gqa = dict(batch=1, heads=32, heads_k=8, list_heads=8)
+    decode = call(**DECODE, list_blocks=16)
+    backend, why = interface.choose(decode)
+    assert backend == "fa4"
+    eager_backend, eager_why = interface.eager_choice(decode, backend, fa4.num_splits(decode))
+    assert eager_backend == "fa2" and "host time" in eager_why
+    causal_4k = call(**gqa, seqlen_q=4096, seqlen_k=4096, list_blocks=2, causal=True)  # 1/16
+    assert interface.eager_choice(causal_4k, "fa4", 1)[0] == "fa3"
+    long_prefill = call(**gqa, seqlen_q=4096, seqlen_k=16384, list_blocks=32)  # 1/4: eager fa4 0.451 ms, fa3 0.480
+    assert fa4.modelled_time_us(long_prefill, 1) > interface.FA4_EAGER_HOST_US
+    assert interface.eager_choice(long_prefill, "fa4", 1) is None
+    assert interface.eager_choice(call(**DECODE, list_blocks=16, requested="fa4"), "fa4", 1) is None  # asked for
+    assert interface.eager_choice(decode, "fa2", 1) is None
+    builds.fa3 = "flash_attn_3 is not importable"
+    assert interface.eager_choice(causal_4k, "fa4", 1)[0] == "fa2"
+
+
+def test_a_decision_runs_its_eager_choice_unless_the_stream_is_capturing(builds, monkeypatch):
+    """One cached decision serves both: eager calls launch the eager backend, captured ones FA-4."""
+    from flash_attn_sparse import backends
+    monkeypatch.setattr(fa4, "num_sms", lambda index: 132)
+    ran = []
+    for name in ("fa2", "fa4"):
+        fake = type(name, (), {"num_splits": staticmethod(lambda c: 1),
+                               "run": staticmethod(lambda c, splits, out, name=name: ran.append(name) or (out, None))})
+        monkeypatch.setitem(backends.BACKENDS, name, fake)
+    decode = call(**DECODE, list_blocks=16)
+    decision = interface.Decision(decode)
+    assert (decision.backend, decision.eager.backend) == ("fa4", "fa2")
+    monkeypatch.setattr(interface, "capturing", lambda: False)
+    decision.run(decode)
+    monkeypatch.setattr(interface, "capturing", lambda: True)
+    decision.run(decode)
+    assert ran == ["fa2", "fa4"]
+    assert interface.Decision(call(**DECODE, list_blocks=16, requested="fa4")).eager is None

@@ -42,6 +42,15 @@ FA4_MIN_SM_SHARE = 0.75
 # places within 4%.
 FA3_MIN_QUERY_ROWS = 128
 FA3_MAX_DENSITY_INVERSE = 16
+# Eagerly, back-to-back calls overlap host and GPU work, so a call costs about the longer of the
+# two. FA-4's host time per call (runs 117 and 119, H200: 186-211 us through a plan, 207-243 one
+# shot; flash-attn-4's Python dispatch and CuTe-DSL argument conversion) is 10-20x FA-2's or
+# FA-3's, and outside a CUDA-graph capture auto's FA-4 choice goes to the backend auto would take
+# without FA-4 when FA-4's modelled GPU time (fa4.modelled_time_us, lists at capacity) is below
+# it: eager fa3 / fa4 at B1 H32/8 (run 119) causal S4k 0.116 / 0.169 ms (1/4), 0.065 / 0.164
+# (1/16), Sq4096 Sk16k 1/16 0.145 / 0.163, while at 1/4 (modelled 435 us) FA-4 stays ahead,
+# 0.451 / 0.480. Inside a capture only the GPU time is replayed, and FA-4 keeps the call.
+FA4_EAGER_HOST_US = 200.0
 
 logger = logging.getLogger("flash_attn_sparse")
 
@@ -82,6 +91,24 @@ def choose(call: SparseCall) -> Tuple[str, str]:
     return backend, why
 
 
+def eager_choice(call: SparseCall, backend: str, splits: int) -> Optional[Tuple[str, str]]:
+    """Where auto's choice `backend` (in `splits` splits) should run outside a CUDA-graph capture
+    when that differs (FA4_EAGER_HOST_US), else None."""
+    if backend != "fa4" or call.requested_backend != "auto":
+        return None
+    modelled = fa4.modelled_time_us(call, splits)
+    if modelled >= FA4_EAGER_HOST_US:
+        return None
+    why = (f"eager: FA-4's modelled {modelled:.0f} us of GPU time is below its ~{FA4_EAGER_HOST_US:.0f} us of "
+           f"host time per call")
+    return ("fa3", why) if _fa3_takes(call) else ("fa2", why)
+
+
+def capturing() -> bool:
+    """Whether the current CUDA stream is being captured into a graph."""
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+
+
 def _fa3_takes(call: SparseCall) -> bool:
     """Prefill-shaped (at least one FA-3 tile of query rows per sequence; a varlen call's on
     average) and run by the FA-3 build present."""
@@ -113,15 +140,20 @@ def _fa2_or_fa4(call: SparseCall, unsupported: Optional[str]) -> Tuple[str, str]
 
 class Decision:
     """What planning a call decides: the validated call (its tensors dropped when cached), the
-    backend and its split count."""
+    backend and its split count, and where auto's choice differs outside a graph capture
+    (eager_choice), the Decision that runs it there (`eager`)."""
 
-    def __init__(self, call: SparseCall):
-        self.backend, self.why = choose(call)
+    def __init__(self, call: SparseCall, choice: Optional[Tuple[str, str]] = None):
+        self.backend, self.why = choice or choose(call)
         self.num_splits = BACKENDS[self.backend].num_splits(call)
         self.call = call
         self._launch = None
+        eager = None if choice or torch.compiler.is_compiling() else eager_choice(call, self.backend, self.num_splits)
+        self.eager = Decision(call, eager) if eager else None
 
     def run(self, call: SparseCall, out: Optional[Tensor] = None) -> Tuple[Tensor, Tensor]:
+        if self.eager is not None and not capturing():
+            return self.eager.run(call, out)
         if not torch.compiler.is_compiling() and logger.isEnabledFor(logging.DEBUG):
             logger.debug("sparse forward on %s (%s)", self.backend, self.why)
         return BACKENDS[self.backend].run(call, self.num_splits, out)
@@ -131,6 +163,8 @@ class Decision:
         """Prepares launch() for calls like `call` (validated from the caller's q, k, v, blocks,
         into outs like `out`) and drops the call's tensors: the backend's launcher if it has one,
         and what the call changed of the caller's tensors (a contiguous copy, batch-broadcast lists)."""
+        if self.eager is not None:
+            self.eager.bind(call, q, k, v, blocks, out)
         launcher = getattr(BACKENDS[self.backend], "launcher", None)
         self._launch = launcher(call, self.num_splits, out=out) if launcher is not None else None
         self._contiguous = call.q is not q or call.k is not k or call.v is not v
@@ -139,6 +173,8 @@ class Decision:
 
     def launch(self, q, k, v, blocks: SparseBlocks, out: Optional[Tensor], tensors: dict) -> Tuple[Tensor, Tensor]:
         """The bound forward over tensors of the facts bind() saw (the caller has compared them)."""
+        if self.eager is not None and not capturing():
+            return self.eager.launch(q, k, v, blocks, out, tensors)
         if self._contiguous:
             q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
         if self._broadcast:
@@ -230,7 +266,8 @@ def flash_attn_with_sparse_block_table(q: Tensor, k: Tensor, v: Tensor, sparse_b
     wheel), "fa4" (flash-attn-4's SM90 kernel, extra `[hopper]`) or "auto" (on SM90 FA-4 where
     it can run the call and packs GQA query heads or its 128-row tiles hold 64+ query rows, else
     FA-2; FA-3 for calls of 128+ query rows it takes where FA-2 would run them, and where FA-4
-    would not pack GQA heads, causal or listed at 1/16 or less by their lists' capacity; choose);
+    would not pack GQA heads, causal or listed at 1/16 or less by their lists' capacity; outside
+    a CUDA-graph capture not FA-4 where its modelled GPU time is below its host time; choose);
     `choose_backend` tells which and `choose_num_splits_for` the split count, and the
     "flash_attn_sparse" logger says so at DEBUG.
     out: optional tensor like q (contiguous last dim) that receives the output (FA-4: by a copy).
@@ -281,13 +318,26 @@ def choose_num_splits_for(q: Tensor, k: Tensor, v: Tensor, blocks: BlockTable, *
 
 
 def choose_backend(q: Tensor, k: Tensor, v: Tensor, blocks: BlockTable, *, block_size: int = 128,
-                   num_splits: int = 0, backend: str = "auto", **options) -> Tuple[str, str]:
+                   num_splits: int = 0, backend: str = "auto", graph: Optional[bool] = None,
+                   **options) -> Tuple[str, str]:
     """(backend, why) that flash_attn_with_sparse_block_table would use for these arguments, or,
     given cu_seqlens_q, cu_seqlens_k, max_seqlen_q and max_seqlen_k as keywords,
     flash_attn_varlen_with_sparse_blocks. options also takes causal, softmax_scale, seqused_k and
-    page_table. Never syncs."""
-    return choose(_call_to_choose_for(q, k, v, blocks, block_size, num_splits=num_splits, backend=backend,
-                                      **options))
+    page_table. graph: the choice inside a CUDA-graph capture (True) or outside one (False; auto
+    then weighs FA-4's host time, FA4_EAGER_HOST_US); None: as the current stream is. Never syncs."""
+    return choose_now(_call_to_choose_for(q, k, v, blocks, block_size, num_splits=num_splits, backend=backend,
+                                          **options), graph)
+
+
+def choose_now(call: SparseCall, graph: Optional[bool] = None) -> Tuple[str, str]:
+    """choose, or outside a CUDA-graph capture (graph False, or None and the current stream not
+    capturing) eager_choice where it differs."""
+    chosen = choose(call)
+    if graph is None:
+        graph = torch.compiler.is_compiling() or capturing()
+    if graph:
+        return chosen
+    return eager_choice(call, chosen[0], BACKENDS[chosen[0]].num_splits(call)) or chosen
 
 
 def flash_attn_sparse_partials(q: Tensor, k: Tensor, v: Tensor, block_groups: Sequence[BlockTable], *,

@@ -10,7 +10,7 @@ from . import ops
 from .backends import fa2
 from .backends.device import MAX_SPLITS
 from .calls import BlockTable, SparseCall, as_blocks, check_out
-from .interface import FA4_MIN_QUERY_ROWS, choose, run
+from .interface import FA4_MIN_QUERY_ROWS, choose_now, run
 from .metadata import SparseBlocks, cdiv, exhaustive_validation_requested, fail, int_range, validate_block_contents
 
 
@@ -75,7 +75,7 @@ def flash_attn_speculative_sparse(q: Tensor, k_spec: Tensor, v_spec: Tensor, k: 
     # pass takes (FA-4 reads k_spec through a second pair of TMA descriptors, patch
     # flash-attn-4/0006; FA-2 through its second source pointers).
     one_launch = _one_launch_refusal(q, k_spec, v_spec, k, v, missed, paged=page_table is not None) is None
-    on_fa4 = choose(missed_call)[0] == "fa4"
+    on_fa4 = choose_now(missed_call)[0] == "fa4"
     if on_fa4 and (missed_call.max_seqlen_q >= FA4_MIN_QUERY_ROWS or not one_launch):
         return _into(out, _speculative_over_missed_on_fa4(missed_call, k_spec, v_spec, causal_spec, validate, backend))
     if one_launch:

@@ -226,12 +226,22 @@ def num_splits(call) -> int:
         return 1  # see SPLIT_KV_UNSUPPORTED
     if call.requested_splits:
         return call.requested_splits
+    return choose_num_splits(max_splits=MAX_SPLITS, **_call_work(call))
+
+
+def modelled_time_us(call, splits: int) -> float:
+    """split_time_us of a fixed-length `call` over `splits` splits, its lists taken at their
+    capacity (the counts are not known without a sync), so an upper bound for short lists."""
+    return split_time_us(splits, **_call_work(call))
+
+
+def _call_work(call) -> dict:
     q, k, blocks = call.q, call.k, call.blocks
-    return choose_num_splits(max_splits=MAX_SPLITS, **split_work(
+    return split_work(
         tiles=tiles(q, k, blocks, batch=call.batch, max_seqlen_q=call.max_seqlen_q),
         list_blocks=call.max_list_length(), batch=call.batch, seqlen_q=call.max_seqlen_q, heads=q.shape[-2],
         head_dim=q.shape[-1], block_size=blocks.block_size, element_size=q.element_size(),
-        small_tile=small_tile(q, k, blocks, max_seqlen_q=call.max_seqlen_q), num_sms=num_sms(q.device.index or 0)))
+        small_tile=small_tile(q, k, blocks, max_seqlen_q=call.max_seqlen_q), num_sms=num_sms(q.device.index or 0))
 
 
 def run(call, splits: int, out: Optional[Tensor] = None) -> Tuple[Tensor, Tensor]:
