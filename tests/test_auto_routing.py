@@ -89,9 +89,10 @@ def test_a_requested_backend_is_kept_or_refused_with_its_reason(builds):
 
 
 def test_outside_a_graph_capture_short_fa4_calls_go_where_auto_would_send_them_without_fa4(builds, monkeypatch):
-    """FA4_EAGER_HOST_US: eagerly a call costs the longer of its host and GPU time, and FA-4's host
-    time is 10-20x the others', so auto's FA-4 choice runs elsewhere when FA-4's modelled GPU time
-    is below it; run 119's crossover shapes (B1 H32/8) fall as they measured eagerly."""
+    """FA4_EAGER_MIN_GPU_US: eagerly a call costs the longer of its host and GPU time, and FA-4's
+    host time is 10-20x the others', so auto's FA-4 choice runs elsewhere when FA-4's modelled GPU
+    time is too short to hide it; the crossover shapes (B1 H32/8) fall as runs 119 and 125
+    measured them eagerly."""
     monkeypatch.setattr(fa4, "num_sms", lambda index: 132)
     gqa = dict(batch=1, heads=32, heads_k=8, list_heads=8)
     decode = call(**DECODE, list_blocks=16)
@@ -101,8 +102,16 @@ def test_outside_a_graph_capture_short_fa4_calls_go_where_auto_would_send_them_w
     assert eager_backend == "fa2" and "host time" in eager_why
     causal_4k = call(**gqa, seqlen_q=4096, seqlen_k=4096, list_blocks=2, causal=True)  # 1/16
     assert interface.eager_choice(causal_4k, "fa4", 1)[0] == "fa3"
+    # 1/4 (run 125: eager fa3 0.117 ms, fa4 0.377): lists of 16 at capacity, but a causal tile's
+    # list holds no more blocks than precede its diagonal, 12 on average here.
+    causal_4k_quarter = call(**gqa, seqlen_q=4096, seqlen_k=4096, list_blocks=8, causal=True)
+    assert causal_4k_quarter.max_list_length() == 16
+    assert fa4.modelled_time_us(causal_4k_quarter, 1) < 0.8 * fa4.split_time_us(1, **fa4._call_work(causal_4k_quarter))
+    assert interface.eager_choice(causal_4k_quarter, "fa4", 1)[0] == "fa3"
+    causal_16k = call(**gqa, seqlen_q=16384, seqlen_k=16384, list_blocks=32, causal=True)  # eagerly level (run 125)
+    assert interface.eager_choice(causal_16k, "fa4", 1) is None
     long_prefill = call(**gqa, seqlen_q=4096, seqlen_k=16384, list_blocks=32)  # 1/4: eager fa4 0.451 ms, fa3 0.480
-    assert fa4.modelled_time_us(long_prefill, 1) > interface.FA4_EAGER_HOST_US
+    assert fa4.modelled_time_us(long_prefill, 1) > interface.FA4_EAGER_MIN_GPU_US
     assert interface.eager_choice(long_prefill, "fa4", 1) is None
     assert interface.eager_choice(call(**DECODE, list_blocks=16, requested="fa4"), "fa4", 1) is None  # asked for
     assert interface.eager_choice(decode, "fa2", 1) is None

@@ -514,7 +514,7 @@ def test_speculative_forms_run_on_fa4_at_prefill(causal_spec, monkeypatch):
     on FA-4 over every row plus a speculative pass over the rows that see k_spec (with
     causal_spec the last 512 of 2048: few tiles, which FA-4 splits), merged into those rows."""
     _needs_fa4()
-    monkeypatch.setattr(interface, "FA4_EAGER_HOST_US", 0.0)  # FA-4's forms eagerly too, as in a capture
+    monkeypatch.setattr(interface, "FA4_EAGER_MIN_GPU_US", 0.0)  # FA-4's forms eagerly too, as in a capture
     g = torch.Generator(device="cuda").manual_seed(11 + causal_spec)
     seqlen_q, seqlen_k, heads, heads_k, block = 2048, 8192, 8, 2, 128  # 128 FA-4 tiles: auto takes FA-4
     q, k, v = random_qkv(1, seqlen_q, seqlen_k, heads, heads_k, 128, torch.bfloat16, generator=g)
@@ -556,7 +556,7 @@ def test_speculative_forms_at_decode_with_fa4_present(causal_spec, monkeypatch):
     gathered form as one FA-4 launch whose mask lists read k_spec / v_spec (patch
     flash-attn-4/0006). Both against the fp32 reference."""
     _needs_fa4()
-    monkeypatch.setattr(interface, "FA4_EAGER_HOST_US", 0.0)  # FA-4's forms eagerly too, as in a capture
+    monkeypatch.setattr(interface, "FA4_EAGER_MIN_GPU_US", 0.0)  # FA-4's forms eagerly too, as in a capture
     g = torch.Generator(device="cuda").manual_seed(23)
     batch, seqlen_q, seqlen_k, heads, heads_k, block = 2, 16, 8192, 8, 2, 128
     q, k, v = random_qkv(batch, seqlen_q, seqlen_k, heads, heads_k, 128, torch.bfloat16, generator=g)

@@ -43,14 +43,16 @@ FA4_MIN_SM_SHARE = 0.75
 FA3_MIN_QUERY_ROWS = 128
 FA3_MAX_DENSITY_INVERSE = 16
 # Eagerly, back-to-back calls overlap host and GPU work, so a call costs about the longer of the
-# two. FA-4's host time per call (runs 117 and 119, H200: 186-211 us through a plan, 207-243 one
-# shot; flash-attn-4's Python dispatch and CuTe-DSL argument conversion) is 10-20x FA-2's or
-# FA-3's, and outside a CUDA-graph capture auto's FA-4 choice goes to the backend auto would take
-# without FA-4 when FA-4's modelled GPU time (fa4.modelled_time_us, lists at capacity) is below
-# it: eager fa3 / fa4 at B1 H32/8 (run 119) causal S4k 0.116 / 0.169 ms (1/4), 0.065 / 0.164
-# (1/16), Sq4096 Sk16k 1/16 0.145 / 0.163, while at 1/4 (modelled 435 us) FA-4 stays ahead,
-# 0.451 / 0.480. Inside a capture only the GPU time is replayed, and FA-4 keeps the call.
-FA4_EAGER_HOST_US = 200.0
+# two. FA-4's host time per call is 10-20x FA-2's or FA-3's and varies 2x from host to host
+# (medians of 142-430 us in runs 117-125, H200: flash-attn-4's Python dispatch and CuTe-DSL
+# argument conversion), while its lead under graph replay is at most 10-30%. So outside a
+# CUDA-graph capture auto's FA-4 choice goes to the backend auto takes without FA-4 unless FA-4's
+# modelled GPU time (fa4.modelled_time_us: lists at capacity, causal ones to the diagonal) is at
+# least FA4_EAGER_MIN_GPU_US, long enough to hide that host time on a slow host. Run 125 (noisy
+# host), eager ms: B8 Sq16 H32/8 decode 1/16 fa4 0.427, auto (fa2) 0.067; causal GQA S4k 1/16
+# fa4 0.244, auto (fa3) 0.064; run 119 (quiet host) Sq4096 Sk16k 1/4 (modelled 488 us) fa4 0.451,
+# fa3 0.480. Inside a capture only GPU time is replayed, and FA-4 keeps the call.
+FA4_EAGER_MIN_GPU_US = 400.0
 
 logger = logging.getLogger("flash_attn_sparse")
 
@@ -93,14 +95,14 @@ def choose(call: SparseCall) -> Tuple[str, str]:
 
 def eager_choice(call: SparseCall, backend: str, splits: int) -> Optional[Tuple[str, str]]:
     """Where auto's choice `backend` (in `splits` splits) should run outside a CUDA-graph capture
-    when that differs (FA4_EAGER_HOST_US), else None."""
+    when that differs (FA4_EAGER_MIN_GPU_US), else None."""
     if backend != "fa4" or call.requested_backend != "auto":
         return None
     modelled = fa4.modelled_time_us(call, splits)
-    if modelled >= FA4_EAGER_HOST_US:
+    if modelled >= FA4_EAGER_MIN_GPU_US:
         return None
-    why = (f"eager: FA-4's modelled {modelled:.0f} us of GPU time is below its ~{FA4_EAGER_HOST_US:.0f} us of "
-           f"host time per call")
+    why = (f"eager: FA-4's modelled {modelled:.0f} us of GPU time would not hide its 140-430 us of host time per "
+           f"call (FA4_EAGER_MIN_GPU_US {FA4_EAGER_MIN_GPU_US:.0f})")
     return ("fa3", why) if _fa3_takes(call) else ("fa2", why)
 
 
@@ -324,7 +326,7 @@ def choose_backend(q: Tensor, k: Tensor, v: Tensor, blocks: BlockTable, *, block
     given cu_seqlens_q, cu_seqlens_k, max_seqlen_q and max_seqlen_k as keywords,
     flash_attn_varlen_with_sparse_blocks. options also takes causal, softmax_scale, seqused_k and
     page_table. graph: the choice inside a CUDA-graph capture (True) or outside one (False; auto
-    then weighs FA-4's host time, FA4_EAGER_HOST_US); None: as the current stream is. Never syncs."""
+    then weighs FA-4's host time, FA4_EAGER_MIN_GPU_US); None: as the current stream is. Never syncs."""
     return choose_now(_call_to_choose_for(q, k, v, blocks, block_size, num_splits=num_splits, backend=backend,
                                           **options), graph)
 

@@ -38,9 +38,9 @@ class SparsePlan:
     on each run.
 
     backend, why: where run goes inside a CUDA-graph capture; eager_backend, eager_why: outside
-    one. They differ only where auto chose FA-4 for a call whose modelled GPU time is below
-    FA-4's host time per call (interface.FA4_EAGER_HOST_US): the plan then also holds a plan of
-    the eager backend, and run asks whether the current stream is capturing.
+    one. They differ only where auto chose FA-4 for a call whose modelled GPU time is too short
+    to hide FA-4's host time per call (interface.FA4_EAGER_MIN_GPU_US): the plan then also holds
+    a plan of the eager backend, and run asks whether the current stream is capturing.
     """
 
     def __init__(self, q: Tensor, k: Tensor, v: Tensor, blocks: BlockTable, *, block_size: int = 128,

@@ -230,9 +230,17 @@ def num_splits(call) -> int:
 
 
 def modelled_time_us(call, splits: int) -> float:
-    """split_time_us of a fixed-length `call` over `splits` splits, its lists taken at their
-    capacity (the counts are not known without a sync), so an upper bound for short lists."""
-    return split_time_us(splits, **_call_work(call))
+    """split_time_us of `call` over `splits` splits, its lists taken at their capacity (the counts
+    are not known without a sync), so a bound for shorter lists; a causal call's at the mean over
+    its query tiles of the capacity or the blocks at or before the tile's diagonal, the fewer."""
+    work = _call_work(call)
+    if call.causal and not call.varlen:
+        block, rows = call.blocks.block_size, call.blocks.resolved_q_block_size(call.max_seqlen_q)
+        offset = call.max_seqlen_k - call.max_seqlen_q  # bottom-right aligned
+        horizons = [min(work["list_blocks"], max(1, cdiv(min(call.max_seqlen_q, (m + 1) * rows) + offset, block)))
+                    for m in range(cdiv(call.max_seqlen_q, rows))]
+        work["list_blocks"] = max(1, round(sum(horizons) / len(horizons)))
+    return split_time_us(splits, **work)
 
 
 def _call_work(call) -> dict:
