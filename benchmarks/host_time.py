@@ -1,6 +1,7 @@
 """Where a call's host time goes, at the decode shapes of DESIGN §7 (1/16, per-K/V-head lists).
 
-For each backend present (fa2, fa3, fa4) and each shape it times, in one process:
+For each backend present (fa2, fa3, fa4, and auto: where its eager runs go, interface.eager_choice)
+and each shape it times, in one process:
 - `after sync`: median over 200 calls of one call started on an idle GPU, plan.run, the one-shot
   call, their parts and a lone copy taking turns call by call (a drifting host weighs on each
   alike), and `back to back`: the mean host time of 200 calls issued without waiting (what an
@@ -108,6 +109,9 @@ def parts(backend, plan, q, k, v):
         # The one-shot's launch: the extension's sparse_fwd, checks and buffers per call.
         return [("SparseForward.run", lambda: planned.run(q, k, v, out)),
                 ("sparse_fwd", lambda: ops.launch_direct(dict(args, q=q, k=k, v=v), out)), key]
+    if backend == "auto":  # its eager path asks whether the stream is capturing (interface.capturing)
+        from flash_attn_sparse.interface import capturing
+        return [key, ("capturing()", capturing)]
     if backend != "fa3":
         return [key]
     from flash_attn_sparse.backends import fa3, fa3_ops
@@ -140,7 +144,8 @@ def measure(shape, backend):
         return {"shape": shape.name, "backend": backend, "note": f"refused: {error}"}
     run = lambda: plan.run(q, k, v)  # noqa: E731
     one_shot = lambda: fas.flash_attn_with_sparse_block_table(q, k, v, blocks, backend=backend)  # noqa: E731
-    row = {"shape": shape.name, "backend": backend, "splits": plan.num_splits}
+    label = backend if plan.eager_backend == plan.backend else f"{backend} ({plan.backend}, eagerly {plan.eager_backend})"
+    row = {"shape": shape.name, "backend": label, "splits": plan.num_splits}
     found = parts(backend, plan, q, k, v)
     src = torch.empty(1 << 20, device="cuda")
     dst = torch.empty_like(src)
@@ -188,7 +193,7 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path)
     parser.add_argument("--shapes", default="B8 Sq16,B8 Sq1,B1 Sq1", help="comma-separated substrings of the decode shapes")
-    parser.add_argument("--backends", default="fa2,fa3,fa4")
+    parser.add_argument("--backends", default="fa2,fa3,fa4,auto")
     args = parser.parse_args()
     shapes = [s for s in DECODE if abs(s.density - 1 / 16) < 1e-9 and any(p in s.name for p in args.shapes.split(","))]
     src = torch.empty(1 << 20, device="cuda")
@@ -202,7 +207,7 @@ def main():
     rows = []
     for shape in shapes:
         for backend in args.backends.split(","):
-            if backend not in BACKENDS:
+            if backend != "auto" and backend not in BACKENDS:
                 continue
             rows.append(measure(shape, backend))
             print(rows[-1], flush=True)
