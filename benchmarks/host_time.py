@@ -1,7 +1,8 @@
 """Where a call's host time goes, at the decode shapes of DESIGN §7 (1/16, per-K/V-head lists).
 
 For each backend present (fa2, fa3, fa4, and auto: where its eager runs go, interface.eager_choice)
-and each shape it times, in one process:
+and each shape it times, in one process (every figure the median of --passes whole passes over
+the rows, 3 by default, with the one-shot's range across them):
 - `after sync`: median over 200 calls of one call started on an idle GPU, plan.run, the one-shot
   call, their parts and a lone copy taking turns call by call (a drifting host weighs on each
   alike), and `back to back`: the mean host time of 200 calls issued without waiting (what an
@@ -9,7 +10,8 @@ and each shape it times, in one process:
 - eager ms per call (back-to-back calls, synchronized at the end) over the graph-replay ms, the
   ratio issue 27 bounds (one list set here, so L2 stays warm for both, unlike bench_sparse.py);
 - the parts: plan.run, the launches alone (the extensions' SparseForward.run; the one-shot's
-  launch: FA-2's sparse_fwd, FA-3's SparseForward.run_with; FA-3's launcher through the
+  launch: FA-2's and FA-3's SparseForward.run_with through their launchers, FA-2's sparse_fwd
+  which it replaced; FA-3's launcher through the
   extension's fwd_into and the same launch through the op fwd_out's dispatcher), the one-shot
   cache's key, the plan's Python checks, and for scale a lone device copy and an empty Python call;
 - the CUDA runtime calls inside 100 plan.run calls (torch.profiler's CPU-side events: count and
@@ -105,9 +107,13 @@ def parts(backend, plan, q, k, v):
     # The one-shot cache's key (interface.run_cached): what a cached call pays before its launch.
     key = ("one-shot key", lambda: (facts(q), facts(k), facts(v), facts(out), blocks_facts(b)))
     if backend == "fa2" and plan._planned is not None:
+        from flash_attn_sparse.backends import fa2
         planned, args = plan._planned, plan._extension_args
-        # The one-shot's launch: the extension's sparse_fwd, checks and buffers per call.
+        # The one-shot's launch (SparseForward.run_with through fa2.launcher, a new LSE per call),
+        # and sparse_fwd, which it replaced (checks and buffers per call).
+        one_shot_launch = fa2.launcher(plan._decision.call, plan.num_splits, out=out)
         return [("SparseForward.run", lambda: planned.run(q, k, v, out)),
+                ("launcher (run_with)", lambda: one_shot_launch(q, k, v, b, out)),
                 ("sparse_fwd", lambda: ops.launch_direct(dict(args, q=q, k=k, v=v), out)), key]
     if backend == "auto":  # its eager path asks whether the stream is capturing (interface.capturing)
         from flash_attn_sparse.interface import capturing
@@ -171,19 +177,40 @@ def measure(shape, backend):
     return row
 
 
+def median_of_passes(taken: list) -> dict:
+    """One row from a (shape, backend)'s passes: each number the median of its passes, the
+    launches' by name, and the one-shot's back-to-back range across passes."""
+    row = dict(taken[0])
+    if "note" in row:
+        return row
+    for name, value in row.items():
+        if isinstance(value, float):
+            row[name] = statistics.median(t[name] for t in taken)
+    row["launches"] = [dict(launch, after_sync_us=statistics.median(t["launches"][i]["after_sync_us"] for t in taken),
+                            back_to_back_us=statistics.median(t["launches"][i]["back_to_back_us"] for t in taken))
+                       for i, launch in enumerate(row["launches"])]
+    one_shot = [t["one_shot_back_to_back_us"] for t in taken]
+    row["passes"] = len(taken)
+    row["one_shot_back_to_back_range_us"] = (min(one_shot), max(one_shot))
+    return row
+
+
 def markdown(rows, copy_us, empty_us) -> str:
     lines = [f"lone copy_: {copy_us[0]:.1f} us after sync, {copy_us[1]:.1f} back to back; empty Python call {empty_us:.2f} us",
-             "", "| shape | backend | splits | plan.run us (after sync / back to back) | one-shot us | lone copy us | "
-             "parts us | checks us | eager / graph | runtime calls per run (name xN mean us) |",
+             f"medians of {rows[0].get('passes', 1) if rows else 0} passes", "",
+             "| shape | backend | splits | plan.run us (after sync / back to back) | one-shot us (back to back: range "
+             "of the passes) | lone copy us | parts us | checks us | eager / graph | runtime calls per run (name xN mean us) |",
              "|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         if "note" in r:
             lines.append(f"| {r['shape']} | {r['backend']} | | {r['note']} | | | | | | |")
             continue
+        low, high = r["one_shot_back_to_back_range_us"]
         launch = "; ".join(f"{p['after_sync_us']:.1f} / {p['back_to_back_us']:.1f} ({p['name']})" for p in r["launches"])
         lines.append(f"| {r['shape']} | {r['backend']} | {r['splits']} | {r['plan_run_after_sync_us']:.1f} / "
                      f"{r['plan_run_back_to_back_us']:.1f} | {r['one_shot_after_sync_us']:.1f} / "
-                     f"{r['one_shot_back_to_back_us']:.1f} | {r['copy_after_sync_us']:.1f} | {launch} | {r['checks_us']:.1f} | "
+                     f"{r['one_shot_back_to_back_us']:.1f} ({low:.1f}-{high:.1f}) | {r['copy_after_sync_us']:.1f} | {launch} | "
+                     f"{r['checks_us']:.1f} | "
                      f"{r['eager_ms'] * 1e3:.1f} / {r['graph_ms'] * 1e3:.1f} us = {r['eager_ms'] / r['graph_ms']:.2f} | "
                      f"{r['runtime_calls']} |")
     return "\n".join(lines)
@@ -194,6 +221,7 @@ def main():
     parser.add_argument("--out", type=Path)
     parser.add_argument("--shapes", default="B8 Sq16,B8 Sq1,B1 Sq1", help="comma-separated substrings of the decode shapes")
     parser.add_argument("--backends", default="fa2,fa3,fa4,auto")
+    parser.add_argument("--passes", type=int, default=3, help="whole passes over the rows; each figure their median")
     args = parser.parse_args()
     shapes = [s for s in DECODE if abs(s.density - 1 / 16) < 1e-9 and any(p in s.name for p in args.shapes.split(","))]
     src = torch.empty(1 << 20, device="cuda")
@@ -204,13 +232,18 @@ def main():
     # included, read 20-70% above the same calls later in the process.
     for backend in args.backends.split(",")[:1]:
         measure(shapes[0], backend)
-    rows = []
-    for shape in shapes:
-        for backend in args.backends.split(","):
-            if backend != "auto" and backend not in BACKENDS:
-                continue
-            rows.append(measure(shape, backend))
-            print(rows[-1], flush=True)
+    # Whole passes over every row, and each figure the median of its passes: in runs 125-129 the
+    # same call's median moved by up to 30% from row to row as the host slowed and recovered.
+    passes = {}
+    for _ in range(args.passes):
+        for shape in shapes:
+            for backend in args.backends.split(","):
+                if backend != "auto" and backend not in BACKENDS:
+                    continue
+                row = measure(shape, backend)
+                passes.setdefault((shape.name, backend), []).append(row)
+                print(row, flush=True)
+    rows = [median_of_passes(taken) for taken in passes.values()]
     table = markdown(rows, copy_us, empty_us)
     print(table)
     if args.out:
