@@ -73,8 +73,9 @@ class SparsePlan:
                                           softmax_scale=softmax_scale, num_splits=num_splits,
                                           backend=self.eager_backend, validate=validate, seqused_k=seqused_k,
                                           page_table=page_table, **shapes)
+        # One default output for both (run hands the eager plan this one's): the eager plan's.
+        self.out = self._eager_plan.out if self._eager_plan is not None else torch.empty_like(q)
         self._facts = (facts(q), facts(k), facts(v))
-        self.out = torch.empty_like(q)
         self._out_facts = facts(self.out)
         # The extension's arguments, the lists included, bound once: run adds q, k, v.
         self._extension_args = self._fa4_entry = self._launch = self._planned = None
