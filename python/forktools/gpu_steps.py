@@ -308,12 +308,15 @@ def ncu_dense(session) -> str:
     return f"{_line_count(session, report)} lines in ncu-dense.txt"
 
 
-def ncu_sass(session, name: str, count: int, *profile_args: str) -> str:
-    """ncu --set full over `count` sparse-kernel launches: the report, its per-SASS-instruction CSV, its details."""
+def ncu_sass(session, name: str, count: int, *profile_args: str, kernels: str = "flash_fwd_sparse_kernel",
+             name_base: str = "function", script: str = "benchmarks/profile_decode.py") -> str:
+    """ncu --set full over `count` launches of the kernels whose names (`name_base`: ncu's
+    --kernel-name-base) match `kernels`, after the first two: the report, its per-SASS-instruction
+    CSV, its details."""
     report = session.out / f"{name}.ncu-rep"
-    session.run(["ncu", "--set", "full", "--clock-control", "none", "-k", "regex:flash_fwd_sparse_kernel",
-                 "--launch-skip", "2", "--launch-count", str(count), "-o", session.out / name,
-                 PY, "benchmarks/profile_decode.py", *profile_args], output=session.logs / f"ncu-{name}.log", timeout=300)
+    session.run(["ncu", "--set", "full", "--clock-control", "none", "--kernel-name-base", name_base,
+                 "-k", f"regex:{kernels}", "--launch-skip", "2", "--launch-count", str(count), "-o", session.out / name,
+                 PY, script, *profile_args], output=session.logs / f"ncu-{name}.log", timeout=300)
     sass = session.logs / f"{name}-sass.csv"
     if session.run(["ncu", "--import", report, "--page", "source", "--print-source", "sass", "--csv"], output=sass) == 0:
         session.act(f"gzip {sass.name} into {name}-sass.csv.gz", _gzip, sass, session.out / f"{name}-sass.csv.gz")
@@ -328,6 +331,14 @@ def ncu_source(session) -> str:
 
 def ncu_spec(session) -> str:
     return ncu_sass(session, "spec", 2, "--ncu-target", "B8 Sq16", "--ncu-speculative")
+
+
+def ncu_fa3_prefill(session) -> str:
+    """The third FA-3 sparse launch at prefill 1/16 and three of dense FA-3 over the listed keys in
+    the same 128-key tiles (benchmarks/profile_fa3_prefill.py), side by side."""
+    # FA-3's kernels are all cutlass::device_kernel<...>: the template argument names the forward.
+    return ncu_sass(session, "fa3-prefill", 4, kernels="FlashAttnFwdSm90", name_base="demangled",
+                    script="benchmarks/profile_fa3_prefill.py")
 
 
 def fa4_prefill_check(session) -> str:
@@ -449,6 +460,8 @@ STEPS = {
     "sweep": ("profile_decode.py --split-sweep (--sweep-args): every split count beside the heuristic's", sweep),
     "variants": ("each --variant diff built as a mutant wheel: its profile, then its GPU tests (--variant-tests)", variants),
     "ncu-dense": ("ncu counters of the sparse kernel, every block listed, beside upstream's dense one (--ncu-targets)", ncu_dense),
+    "ncu-fa3-prefill": ("per-SASS-instruction stalls of the FA-3 sparse kernel at prefill 1/16 beside dense FA-3 in its tile steps",
+                        ncu_fa3_prefill),
     "ncu-source": ("per-SASS-instruction counters and stalls of the sparse kernel, every block listed, B1 Sq1", ncu_source),
     "ncu-spec": ("the same for the union pass and the one-launch speculative call, B8 Sq16 1/16", ncu_spec),
     "bench-pristine-fa4": ("the bench step's shapes: flash-attn-4's own block-sparse call, pristine release (.carry/fa4pristine)",

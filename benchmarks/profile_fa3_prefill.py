@@ -1,0 +1,49 @@
+"""The FA-3 sparse forward and its dense peer in the same 128 x 128 tile steps, for ncu.
+
+Prefill B1 S16k H32 (non-causal, one list per K/V head, DESIGN §7) at --density: 3 calls of
+backend="fa3", then 3 of dense FA-3 over a K/V gathered to exactly the listed keys in 128-key
+tiles (bench_sparse.fa3_dense_128), one list set. Under `ncu --launch-skip 2 --launch-count 4`
+(the runner's `ncu-fa3-prefill` step) the third sparse and the dense launches are profiled, so
+their per-instruction stalls compare tile for tile (issue 26: 0.972x the 128-key peer at 1/16,
+run 117).
+
+    python benchmarks/profile_fa3_prefill.py [--density 0.0625]   (GPU, the flash_attn_3 wheel)
+"""
+
+import argparse
+import random
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import flash_attn_sparse as fas  # noqa: E402
+from bench_sparse import PREFILL, fa3_dense_128, listed_kv, make_lists, random_inputs, to_blocks  # noqa: E402
+
+CALLS = 3
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--density", type=float, default=1 / 16)
+    args = parser.parse_args()
+    shape = next(s for s in PREFILL if not s.causal and abs(s.density - args.density) < 1e-9)
+    q, k, v = random_inputs(shape)
+    lists = make_lists(shape, random.Random(0))
+    blocks = to_blocks(lists, shape)
+    k_listed, v_listed = listed_kv(k, v, lists)
+    dense = fa3_dense_128(q, shape.seqlen_q)
+    if isinstance(dense, str):
+        sys.exit(f"dense FA-3 in 128-key tiles cannot run: {dense}")
+    for _ in range(CALLS):
+        fas.flash_attn_with_sparse_block_table(q, k, v, blocks, backend="fa3")
+    for _ in range(CALLS):
+        dense(k_listed, v_listed)
+    torch.cuda.synchronize()
+    print(f"{shape.name} at {shape.density:.4g}: {CALLS} fa3 sparse calls, then {CALLS} dense FA-3 calls over "
+          f"{k_listed.shape[1]} listed keys in 128-key tiles")
+
+
+if __name__ == "__main__":
+    main()
