@@ -5,7 +5,7 @@ itself is what these tests check (the crossovers behind it: docs/performance.md)
 import pytest
 import torch
 
-from flash_attn_sparse import SparseBlocks, calls, interface
+from flash_attn_sparse import SparseBlocks, calls, interface, ops
 from flash_attn_sparse.backends import fa3, fa4
 
 
@@ -19,6 +19,7 @@ def builds(monkeypatch):
     monkeypatch.setattr(fa4, "refusal", lambda call: Builds.fa4)
     monkeypatch.setattr(calls, "require_cuda", lambda q: None)
     monkeypatch.setattr(interface, "num_sms", lambda index: 132)
+    monkeypatch.setattr(ops, "compiled_head_dims", lambda: ((64, 128), False))  # a dev FA-2 build
     return Builds
 
 
@@ -117,6 +118,11 @@ def test_outside_a_graph_capture_short_fa4_calls_go_where_auto_would_send_them_w
     assert interface.eager_choice(decode, "fa2", 1) is None
     builds.fa3 = "flash_attn_3 is not importable"
     assert interface.eager_choice(causal_4k, "fa4", 1)[0] == "fa2"
+    # A head dim the FA-2 build lacks (dev: 64 and 128) stays on FA-4, eagerly too.
+    monkeypatch.setattr(ops, "compiled_head_dims", lambda: ((128,), False))
+    assert interface.eager_choice(causal_4k, "fa4", 1)[0] == "fa2"
+    monkeypatch.setattr(ops, "compiled_head_dims", lambda: ((64,), False))
+    assert interface.eager_choice(causal_4k, "fa4", 1) is None
 
 
 def test_a_decision_runs_its_eager_choice_unless_the_stream_is_capturing(builds, monkeypatch):

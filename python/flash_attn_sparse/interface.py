@@ -103,7 +103,11 @@ def eager_choice(call: SparseCall, backend: str, splits: int) -> Optional[Tuple[
         return None
     why = (f"eager: FA-4's modelled {modelled:.0f} us of GPU time would not hide its 140-430 us of host time per "
            f"call (FA4_EAGER_MIN_GPU_US {FA4_EAGER_MIN_GPU_US:.0f})")
-    return ("fa3", why) if _fa3_takes(call) else ("fa2", why)
+    if _fa3_takes(call):
+        return "fa3", why
+    if ops.head_dim_refusal(call.q.shape[-1]) is None:  # a dev FA-2 build compiles head dims 64 and 128 only
+        return "fa2", why
+    return None
 
 
 def capturing() -> bool:
