@@ -48,10 +48,10 @@ FA3_MAX_DENSITY_INVERSE = 16
 # argument conversion), while its lead under graph replay is at most 10-30%. So outside a
 # CUDA-graph capture auto's FA-4 choice goes to the backend auto takes without FA-4 unless FA-4's
 # modelled GPU time (fa4.modelled_time_us: lists at capacity, causal ones to the diagonal) is at
-# least FA4_EAGER_MIN_GPU_US, long enough to hide that host time on a slow host. Run 125 (noisy
-# host), eager ms: B8 Sq16 H32/8 decode 1/16 fa4 0.427, auto (fa2) 0.067; causal GQA S4k 1/16
-# fa4 0.244, auto (fa3) 0.064; run 119 (quiet host) Sq4096 Sk16k 1/4 (modelled 488 us) fa4 0.451,
-# fa3 0.480. Inside a capture only GPU time is replayed, and FA-4 keeps the call.
+# least FA4_EAGER_MIN_GPU_US, long enough to hide that host time on a slow host. Run 127, eager
+# ms (B1 H32/8 unless named): B8 Sq16 decode 1/16 auto (fa2) 0.033, FA-4 0.198; causal S4k 1/4
+# auto (fa3) 0.113, FA-4 0.363; Sq4096 Sk16k 1/4 (modelled 488 us) auto (FA-4) 0.444, fa3 0.473.
+# Inside a capture only GPU time is replayed, and FA-4 keeps the call.
 FA4_EAGER_MIN_GPU_US = 400.0
 
 logger = logging.getLogger("flash_attn_sparse")
@@ -275,7 +275,8 @@ def flash_attn_with_sparse_block_table(q: Tensor, k: Tensor, v: Tensor, sparse_b
     it can run the call and packs GQA query heads or its 128-row tiles hold 64+ query rows, else
     FA-2; FA-3 for calls of 128+ query rows it takes where FA-2 would run them, and where FA-4
     would not pack GQA heads, causal or listed at 1/16 or less by their lists' capacity; outside
-    a CUDA-graph capture not FA-4 where its modelled GPU time is below its host time; choose);
+    a CUDA-graph capture FA-4 only from 400 us of modelled GPU time, FA4_EAGER_MIN_GPU_US, as
+    its host time per call would decide a shorter call; choose);
     `choose_backend` tells which and `choose_num_splits_for` the split count, and the
     "flash_attn_sparse" logger says so at DEBUG.
     out: optional tensor like q (contiguous last dim) that receives the output (FA-4: by a copy).
