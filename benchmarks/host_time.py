@@ -1,6 +1,6 @@
 """Where a call's host time goes, at the decode shapes of DESIGN §7 (1/16, per-K/V-head lists).
 
-For each backend present (fa2, fa3, fa4, and auto: where its eager runs go, interface.eager_choice)
+For each backend present (fa2, fa3, fa4, and auto: where its eager runs go, routing.eager_choice)
 and each shape it times, in one process (every figure the median of --passes whole passes over
 the rows, 3 by default, with the one-shot's range across them):
 - `after sync`: median over 200 calls of one call started on an idle GPU, plan.run, the one-shot
@@ -115,8 +115,8 @@ def parts(backend, plan, q, k, v):
         return [("SparseForward.run", lambda: planned.run(q, k, v, out)),
                 ("launcher (run_with)", lambda: one_shot_launch(q, k, v, b, out)),
                 ("sparse_fwd", lambda: ops.launch_direct(dict(args, q=q, k=k, v=v), out)), key]
-    if backend == "auto":  # its eager path asks whether the stream is capturing (interface.capturing)
-        from flash_attn_sparse.interface import capturing
+    if backend == "auto":  # its eager path asks whether the stream is capturing (routing.capturing)
+        from flash_attn_sparse.routing import capturing
         return [key, ("capturing()", capturing)]
     if backend != "fa3":
         return [key]

@@ -51,9 +51,9 @@ def auto_stays_on_fa2(request, monkeypatch):
     test them on a machine with the FA-4 runtime and the FA-3 build too: there auto sends most
     fixed-length calls to FA-4 and prefill-shaped ones to FA-3 (test_stage4_fa4.py and
     test_auto_routing.py test that routing). backend="fa3" requested stays available."""
-    from flash_attn_sparse import interface
+    from flash_attn_sparse import interface, routing
     interface._decisions.clear()  # the one-shot cache would carry one test's routing into the next
     if request.module.__name__ not in MODULES_THAT_ROUTE_AWAY_FROM_FA2:
         from flash_attn_sparse.backends import fa4
         monkeypatch.setattr(fa4, "refusal", lambda *args, **kwargs: "FA-2 kept by tests/conftest.py")
-        monkeypatch.setattr(interface, "_fa3_takes", lambda call: False)
+        monkeypatch.setattr(routing, "_fa3_takes", lambda call: False)

@@ -1,11 +1,11 @@
-"""auto's choice among fa2 / fa3 / fa4 (interface.choose), on the CPU: each backend's own refusal
+"""auto's choice among fa2 / fa3 / fa4 (routing.choose), on the CPU: each backend's own refusal
 is replaced by "takes it" or by a reason, as on an SM90 with or without each build, so the rule
 itself is what these tests check (the crossovers behind it: docs/performance.md)."""
 
 import pytest
 import torch
 
-from flash_attn_sparse import SparseBlocks, calls, interface, ops
+from flash_attn_sparse import SparseBlocks, calls, interface, ops, routing
 from flash_attn_sparse.backends import fa3, fa4
 
 
@@ -18,7 +18,7 @@ def builds(monkeypatch):
     monkeypatch.setattr(fa3, "refusal", lambda call: Builds.fa3)
     monkeypatch.setattr(fa4, "refusal", lambda call: Builds.fa4)
     monkeypatch.setattr(calls, "require_cuda", lambda q: None)
-    monkeypatch.setattr(interface, "num_sms", lambda index: 132)
+    monkeypatch.setattr(routing, "num_sms", lambda index: 132)
     monkeypatch.setattr(ops, "compiled_head_dims", lambda: ((64, 128), False))  # a dev FA-2 build
     return Builds
 
@@ -41,52 +41,52 @@ DECODE = dict(batch=8, seqlen_q=16, seqlen_k=32768, heads=32, heads_k=8, list_he
 
 
 def test_prefill_goes_to_fa3_when_causal_or_at_most_a_sixteenth_listed(builds):
-    assert interface.choose(call(**PREFILL, list_blocks=128))[0] == "fa4"
-    assert interface.choose(call(**PREFILL, list_blocks=32))[0] == "fa4"  # 1/4: FA-4 ahead
-    backend, why = interface.choose(call(**PREFILL, list_blocks=8))
+    assert routing.choose(call(**PREFILL, list_blocks=128))[0] == "fa4"
+    assert routing.choose(call(**PREFILL, list_blocks=32))[0] == "fa4"  # 1/4: FA-4 ahead
+    backend, why = routing.choose(call(**PREFILL, list_blocks=8))
     assert backend == "fa3" and "at most 8 of 128 blocks" in why
-    backend, why = interface.choose(call(**PREFILL, list_blocks=64, causal=True))
+    backend, why = routing.choose(call(**PREFILL, list_blocks=64, causal=True))
     assert backend == "fa3" and "causal" in why
 
 
 def test_prefill_with_gqa_heads_fa4_packs_stays_on_fa4(builds):
     gqa = dict(PREFILL, heads=32, heads_k=8, list_heads=8)
-    assert interface.choose(call(**gqa, list_blocks=8))[0] == "fa4"
-    assert interface.choose(call(**gqa, list_blocks=8, causal=True))[0] == "fa4"
-    assert interface.choose(call(**dict(gqa, list_heads=32), list_blocks=8))[0] == "fa3"  # per query head: unpacked
+    assert routing.choose(call(**gqa, list_blocks=8))[0] == "fa4"
+    assert routing.choose(call(**gqa, list_blocks=8, causal=True))[0] == "fa4"
+    assert routing.choose(call(**dict(gqa, list_heads=32), list_blocks=8))[0] == "fa3"  # per query head: unpacked
 
 
 def test_decode_keeps_the_fa2_fa4_rule(builds):
-    assert interface.choose(call(**DECODE, list_blocks=16))[0] == "fa4"  # packed query heads
+    assert routing.choose(call(**DECODE, list_blocks=16))[0] == "fa4"  # packed query heads
     builds.fa4 = "no runtime"
-    assert interface.choose(call(**DECODE, list_blocks=16))[0] == "fa2"
+    assert routing.choose(call(**DECODE, list_blocks=16))[0] == "fa2"
 
 
 def test_without_fa4_prefill_goes_to_fa3_and_without_fa3_the_rule_is_unchanged(builds):
     builds.fa4 = "no runtime"
-    backend, why = interface.choose(call(**PREFILL, list_blocks=128))
+    backend, why = routing.choose(call(**PREFILL, list_blocks=128))
     assert backend == "fa3" and "1.8x FA-2" in why and "no runtime" in why
     builds.fa3 = "flash_attn_3 is not importable"
-    assert interface.choose(call(**PREFILL, list_blocks=8)) == ("fa2", "no runtime")
+    assert routing.choose(call(**PREFILL, list_blocks=8)) == ("fa2", "no runtime")
     builds.fa4 = None
-    assert interface.choose(call(**PREFILL, list_blocks=8))[0] == "fa4"
-    assert interface.choose(call(**PREFILL, list_blocks=8, causal=True))[0] == "fa4"
+    assert routing.choose(call(**PREFILL, list_blocks=8))[0] == "fa4"
+    assert routing.choose(call(**PREFILL, list_blocks=8, causal=True))[0] == "fa4"
 
 
 def test_under_torch_compile_prefill_goes_to_fa3_and_decode_to_fa2(builds, monkeypatch):
     monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
-    assert interface.choose(call(**PREFILL, list_blocks=128))[0] == "fa3"
-    assert interface.choose(call(**DECODE, list_blocks=16))[0] == "fa2"
+    assert routing.choose(call(**PREFILL, list_blocks=128))[0] == "fa3"
+    assert routing.choose(call(**DECODE, list_blocks=16))[0] == "fa2"
     builds.fa3 = "flash_attn_3 is not importable"
-    assert interface.choose(call(**PREFILL, list_blocks=128)) == ("fa2", "traced by torch.compile")
+    assert routing.choose(call(**PREFILL, list_blocks=128)) == ("fa2", "traced by torch.compile")
 
 
 def test_a_requested_backend_is_kept_or_refused_with_its_reason(builds):
-    assert interface.choose(call(**PREFILL, list_blocks=8, requested="fa4")) == ("fa4", "requested")
-    assert interface.choose(call(**DECODE, list_blocks=16, requested="fa3")) == ("fa3", "requested")
+    assert routing.choose(call(**PREFILL, list_blocks=8, requested="fa4")) == ("fa4", "requested")
+    assert routing.choose(call(**DECODE, list_blocks=16, requested="fa3")) == ("fa3", "requested")
     builds.fa3 = "no fa3 here"
     with pytest.raises(Exception, match="'fa3' cannot run this call: no fa3 here"):
-        interface.choose(call(**PREFILL, list_blocks=8, requested="fa3"))
+        routing.choose(call(**PREFILL, list_blocks=8, requested="fa3"))
 
 
 def test_outside_a_graph_capture_short_fa4_calls_go_where_auto_would_send_them_without_fa4(builds, monkeypatch):
@@ -97,32 +97,32 @@ def test_outside_a_graph_capture_short_fa4_calls_go_where_auto_would_send_them_w
     monkeypatch.setattr(fa4, "num_sms", lambda index: 132)
     gqa = dict(batch=1, heads=32, heads_k=8, list_heads=8)
     decode = call(**DECODE, list_blocks=16)
-    backend, why = interface.choose(decode)
+    backend, why = routing.choose(decode)
     assert backend == "fa4"
-    eager_backend, eager_why = interface.eager_choice(decode, backend, fa4.num_splits(decode))
+    eager_backend, eager_why = routing.eager_choice(decode, backend, fa4.num_splits(decode))
     assert eager_backend == "fa2" and "host time" in eager_why
     causal_4k = call(**gqa, seqlen_q=4096, seqlen_k=4096, list_blocks=2, causal=True)  # 1/16
-    assert interface.eager_choice(causal_4k, "fa4", 1)[0] == "fa3"
+    assert routing.eager_choice(causal_4k, "fa4", 1)[0] == "fa3"
     # 1/4 (run 125: eager fa3 0.117 ms, fa4 0.377): lists of 16 at capacity, but a causal tile's
     # list holds no more blocks than precede its diagonal, 12 on average here.
     causal_4k_quarter = call(**gqa, seqlen_q=4096, seqlen_k=4096, list_blocks=8, causal=True)
     assert causal_4k_quarter.max_list_length() == 16
     assert fa4.modelled_time_us(causal_4k_quarter, 1) < 0.8 * fa4.split_time_us(1, **fa4._call_work(causal_4k_quarter))
-    assert interface.eager_choice(causal_4k_quarter, "fa4", 1)[0] == "fa3"
+    assert routing.eager_choice(causal_4k_quarter, "fa4", 1)[0] == "fa3"
     causal_16k = call(**gqa, seqlen_q=16384, seqlen_k=16384, list_blocks=32, causal=True)  # eagerly level (run 125)
-    assert interface.eager_choice(causal_16k, "fa4", 1) is None
+    assert routing.eager_choice(causal_16k, "fa4", 1) is None
     long_prefill = call(**gqa, seqlen_q=4096, seqlen_k=16384, list_blocks=32)  # 1/4: eager fa4 0.451 ms, fa3 0.480
-    assert fa4.modelled_time_us(long_prefill, 1) > interface.FA4_EAGER_MIN_GPU_US
-    assert interface.eager_choice(long_prefill, "fa4", 1) is None
-    assert interface.eager_choice(call(**DECODE, list_blocks=16, requested="fa4"), "fa4", 1) is None  # asked for
-    assert interface.eager_choice(decode, "fa2", 1) is None
+    assert fa4.modelled_time_us(long_prefill, 1) > routing.FA4_EAGER_MIN_GPU_US
+    assert routing.eager_choice(long_prefill, "fa4", 1) is None
+    assert routing.eager_choice(call(**DECODE, list_blocks=16, requested="fa4"), "fa4", 1) is None  # asked for
+    assert routing.eager_choice(decode, "fa2", 1) is None
     builds.fa3 = "flash_attn_3 is not importable"
-    assert interface.eager_choice(causal_4k, "fa4", 1)[0] == "fa2"
+    assert routing.eager_choice(causal_4k, "fa4", 1)[0] == "fa2"
     # A head dim the FA-2 build lacks (dev: 64 and 128) stays on FA-4, eagerly too.
     monkeypatch.setattr(ops, "compiled_head_dims", lambda: ((128,), False))
-    assert interface.eager_choice(causal_4k, "fa4", 1)[0] == "fa2"
+    assert routing.eager_choice(causal_4k, "fa4", 1)[0] == "fa2"
     monkeypatch.setattr(ops, "compiled_head_dims", lambda: ((64,), False))
-    assert interface.eager_choice(causal_4k, "fa4", 1) is None
+    assert routing.eager_choice(causal_4k, "fa4", 1) is None
 
 
 def test_a_decision_runs_its_eager_choice_unless_the_stream_is_capturing(builds, monkeypatch):

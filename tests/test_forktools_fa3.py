@@ -70,10 +70,10 @@ def test_mirror_archive_verified_and_mismatches_refused(tmp_path):
 
 @pytest.mark.skipif(not (ROOT / "build" / "trees" / "flash-attn-3").exists(), reason="run `nox -s apply` first")
 def test_dev_kernels_are_what_the_patched_setup_compiles(tmp_path, monkeypatch):
-    """The source list of hopper/setup.py (patches flash-attn-3/0001, 0003) under the dev
+    """The source list of hopper/setup.py (patches flash-attn-3/0001, 0003, 0008) under the dev
     variables, by running its list-building lines: 12 dense kernel units, the 16 sparse units it
     writes from generate_kernels_sparse.py (here into tmp_path), flash_api and flash_api_sparse,
-    combine and scheduler."""
+    combine and scheduler, and the driver entry points CUTLASS's TMA descriptors call (0008)."""
     hopper = ROOT / "build" / "trees" / "flash-attn-3" / "hopper"
     text = (hopper / "setup.py").read_text()
     flags = "".join(line + "\n" for line in text.splitlines() if re.match(r"(DISABLE_\w+|USE_SYSTEM_NVCC) = ", line))
@@ -92,7 +92,8 @@ def test_dev_kernels_are_what_the_patched_setup_compiles(tmp_path, monkeypatch):
     assert len(kernels) == 28
     assert sorted(p.name for p in (tmp_path / "instantiations").iterdir()) == sorted(build_fa3.DEV_SPARSE_KERNELS)
     assert set(scope["sources"]) - {f"instantiations/{k}" for k in kernels} == {
-        "flash_api.cpp", "flash_api_sparse.cpp", "flash_fwd_combine.cu", "flash_prepare_scheduler.cu"}
+        "flash_api.cpp", "flash_api_sparse.cpp", "flash_fwd_combine.cu", "flash_prepare_scheduler.cu",
+        "cuda_driver_entry_points.cpp"}
 
 
 def test_fa3_mutation_goes_to_the_fa3_build_only():

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 import flash_attn_sparse as fas
-from flash_attn_sparse import SparseBlocks, SparseInputError, interface
+from flash_attn_sparse import SparseBlocks, SparseInputError, routing
 from flash_attn_sparse.backends import cute, fa3_ops, fa4
 from flash_attn_sparse.metadata import pack_varlen_lists
 from flash_attn_sparse.reference import block_positions, visibility_from_lists
@@ -58,7 +58,7 @@ def test_fa4_refuses_what_it_would_answer_wrongly(monkeypatch):
     key up to k's length: configs 26, 33, 718) and list rows wider than the K/V's block count
     (flash-attn-4 takes at most one entry per block, and the row cut there dropped blocks listed
     after skipped ids: configs 307, 1248, 1519). auto then runs FA-2."""
-    from flash_attn_sparse import calls, interface
+    from flash_attn_sparse import calls
     monkeypatch.setattr(fa4, "unsupported_reason", lambda *args, **kwargs: None)  # as on an SM90 with the runtime
     monkeypatch.setattr(calls, "require_cuda", lambda q: None)
     q, k, v = (torch.zeros(shape, dtype=torch.bfloat16) for shape in ((2, 16, 8, 128), (2, 1000, 2, 128), (2, 1000, 2, 128)))
@@ -70,7 +70,7 @@ def test_fa4_refuses_what_it_would_answer_wrongly(monkeypatch):
     assert fa4.refusal(call(8)) is None  # 1000 keys: 8 blocks of 128
     assert fa4.refusal(call(8, seqused_k=torch.tensor([131, 1000], dtype=torch.int32))) == fa4.SEQUSED_K_UNSUPPORTED
     assert "list rows of 9 entries for 8 K/V blocks" in fa4.refusal(call(9))
-    assert interface.choose(call(9, backend="auto"))[0] == "fa2"
+    assert routing.choose(call(9, backend="auto"))[0] == "fa2"
 
 
 def _unpacked_gqa_lists():
@@ -514,7 +514,7 @@ def test_speculative_forms_run_on_fa4_at_prefill(causal_spec, monkeypatch):
     on FA-4 over every row plus a speculative pass over the rows that see k_spec (with
     causal_spec the last 512 of 2048: few tiles, which FA-4 splits), merged into those rows."""
     _needs_fa4()
-    monkeypatch.setattr(interface, "FA4_EAGER_MIN_GPU_US", 0.0)  # FA-4's forms eagerly too, as in a capture
+    monkeypatch.setattr(routing, "FA4_EAGER_MIN_GPU_US", 0.0)  # FA-4's forms eagerly too, as in a capture
     g = torch.Generator(device="cuda").manual_seed(11 + causal_spec)
     seqlen_q, seqlen_k, heads, heads_k, block = 2048, 8192, 8, 2, 128  # 128 FA-4 tiles: auto takes FA-4
     q, k, v = random_qkv(1, seqlen_q, seqlen_k, heads, heads_k, 128, torch.bfloat16, generator=g)
@@ -556,7 +556,7 @@ def test_speculative_forms_at_decode_with_fa4_present(causal_spec, monkeypatch):
     gathered form as one FA-4 launch whose mask lists read k_spec / v_spec (patch
     flash-attn-4/0006). Both against the fp32 reference."""
     _needs_fa4()
-    monkeypatch.setattr(interface, "FA4_EAGER_MIN_GPU_US", 0.0)  # FA-4's forms eagerly too, as in a capture
+    monkeypatch.setattr(routing, "FA4_EAGER_MIN_GPU_US", 0.0)  # FA-4's forms eagerly too, as in a capture
     g = torch.Generator(device="cuda").manual_seed(23)
     batch, seqlen_q, seqlen_k, heads, heads_k, block = 2, 16, 8192, 8, 2, 128
     q, k, v = random_qkv(batch, seqlen_q, seqlen_k, heads, heads_k, 128, torch.bfloat16, generator=g)

@@ -1,6 +1,6 @@
 """Argument checks of the sparse forward, in one place: SparseCall validates one call (with
 metadata.validate_blocks / validate_block_contents for the lists) and holds what the backends
-decide from. interface.py routes it; backends/ run it."""
+decide from. routing.py routes it; backends/ run it."""
 
 import copy
 import math

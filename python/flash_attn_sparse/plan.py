@@ -11,8 +11,9 @@ from torch import Tensor
 from . import ops
 from .backends import BACKENDS, fa2, fa3, fa4
 from .calls import BlockTable, SparseCall, as_blocks, check_out
-from .interface import Decision, capturing, facts
+from .interface import Decision, facts
 from .metadata import fail
+from .routing import capturing
 
 
 class SparsePlan:
@@ -39,7 +40,7 @@ class SparsePlan:
 
     backend, why: where run goes inside a CUDA-graph capture; eager_backend, eager_why: outside
     one. They differ only where auto chose FA-4 for a call whose modelled GPU time is too short
-    to hide FA-4's host time per call (interface.FA4_EAGER_MIN_GPU_US): the plan then also holds
+    to hide FA-4's host time per call (routing.FA4_EAGER_MIN_GPU_US): the plan then also holds
     a plan of the eager backend, and run asks whether the current stream is capturing.
     """
 
@@ -63,7 +64,7 @@ class SparsePlan:
         self.blocks = call.blocks  # batch-broadcast views of the caller's lists, where they had batch 1
         self._decision = Decision(call)
         self.backend, self.why, self.num_splits = self._decision.backend, self._decision.why, self._decision.num_splits
-        # Where auto's choice differs outside a CUDA-graph capture (interface.eager_choice), a plan
+        # Where auto's choice differs outside a CUDA-graph capture (routing.eager_choice), a plan
         # of that backend runs the eager calls, into this plan's out.
         self._eager_plan = None
         self.eager_backend, self.eager_why = self.backend, self.why

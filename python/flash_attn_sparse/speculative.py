@@ -10,8 +10,9 @@ from . import ops
 from .backends import fa2
 from .backends.device import MAX_SPLITS
 from .calls import BlockTable, SparseCall, as_blocks, check_out
-from .interface import FA4_MIN_QUERY_ROWS, choose_now, run
+from .interface import run
 from .metadata import SparseBlocks, cdiv, exhaustive_validation_requested, fail, int_range, validate_block_contents
+from .routing import FA4_MIN_QUERY_ROWS, choose_now
 
 
 def _one_launch_refusal(q: Tensor, k_spec, v_spec, k: Tensor, v: Tensor, missed: SparseBlocks,

@@ -1,5 +1,5 @@
 """The backends a sparse forward can run on, behind one small protocol the router
-(interface.choose) calls. A backend is a module with
+(routing.choose) calls. A backend is a module with
 
     refusal(call) -> Optional[str]      why it cannot run this call (shapes only, never syncs), or None
     num_splits(call) -> int             its split-KV count for the call (the requested one, if any)
@@ -12,7 +12,7 @@ the forward over new tensors of the call's facts, bound once (the one-shot cache
 `out`: the layout of the outs to come, None for new ones). FA-2 also has run_partial (fp32 partials into a
 caller's buffer, for flash_attn_sparse_partials and the speculative two-pass form). A new
 backend is one module here plus its name in BACKENDS (the router's order of preference is
-interface.choose's).
+routing.choose's).
 """
 
 from typing import Optional, Protocol, Tuple

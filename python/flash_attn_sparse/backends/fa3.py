@@ -2,7 +2,7 @@
 (patches/flash-attn-3, overlay hopper/flash_api_sparse.cpp; the op flash_attn_3_sparse::fwd in
 this build's flash_attn_3 wheel). fa3_ops holds the op wrapper and the kernel's host rules.
 
-Requested with backend="fa3", or chosen by `auto` for prefill-shaped calls (interface.choose:
+Requested with backend="fa3", or chosen by `auto` for prefill-shaped calls (routing.choose:
 where FA-2 would run them, and where FA-4 would not pack GQA heads, causal or lists bounded to
 1/16 of the key blocks), from the crossovers of runs 108-115 (docs/performance.md); decode-shaped
 calls stay on fa2 / fa4.
