@@ -14,6 +14,8 @@ the rows, 3 by default, with the one-shot's range across them):
   which it replaced; FA-3's launcher through the
   extension's fwd_into and the same launch through the op fwd_out's dispatcher), the one-shot
   cache's key, the plan's Python checks, and for scale a lone device copy and an empty Python call;
+- the host time of one plan.run captured as a CUDA graph and replayed (`graph of one run`): what
+  a run would cost as a single graph launch;
 - the CUDA runtime calls inside 100 plan.run calls (torch.profiler's CPU-side events: count and
   mean us each), which says which driver calls a launch pays.
 
@@ -140,6 +142,21 @@ def parts(backend, plan, q, k, v):
     return found
 
 
+def one_run_graph(run) -> list:
+    """[("graph of one run", replay)]: one plan.run captured as a CUDA graph and replayed, the host
+    time a run would cost as one graph launch (what a SparseForward owning a graph of its launches
+    would pay, before updating the graph's parameters per run), or [] where run cannot be captured."""
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    try:
+        with torch.cuda.graph(graph):
+            run()
+    except Exception:  # a backend whose run cannot be captured: no such part
+        torch.cuda.synchronize()
+        return []
+    return [("graph of one run", graph.replay)]
+
+
 def measure(shape, backend):
     import random
     q, k, v = random_inputs(shape)
@@ -157,6 +174,7 @@ def measure(shape, backend):
     dst = torch.empty_like(src)
     for _ in range(20):
         run(), one_shot()
+    found += one_run_graph(run)
     # Interleaved: plan.run, the one-shot call, their parts and a lone copy, in one set of turns.
     timed = interleaved_after_sync({"plan.run": run, "one-shot": one_shot, "lone copy": lambda: dst.copy_(src),
                                     **dict(found)})
