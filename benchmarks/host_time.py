@@ -15,7 +15,9 @@ the rows, 3 by default, with the one-shot's range across them):
   extension's fwd_into and the same launch through the op fwd_out's dispatcher), the one-shot
   cache's key, the plan's Python checks, and for scale a lone device copy and an empty Python call;
 - the host time of one plan.run captured as a CUDA graph and replayed (`graph of one run`): what
-  a run would cost as a single graph launch;
+  a run would cost as a single graph launch; on fa2, `SparseForward.run (graph launch)`: the same
+  plan launching its kernels as one graph given each run's parameters (graph_launch), beside its
+  direct `SparseForward.run`;
 - the CUDA runtime calls inside 100 plan.run calls (torch.profiler's CPU-side events: count and
   mean us each), which says which driver calls a launch pays.
 
@@ -114,9 +116,15 @@ def parts(backend, plan, q, k, v):
         # The one-shot's launch (SparseForward.run_with through fa2.launcher, a new LSE per call),
         # and sparse_fwd, which it replaced (checks and buffers per call).
         one_shot_launch = fa2.launcher(plan._decision.call, plan.num_splits, out=out)
-        return [("SparseForward.run", lambda: planned.run(q, k, v, out)),
-                ("launcher (run_with)", lambda: one_shot_launch(q, k, v, b, out)),
-                ("sparse_fwd", lambda: ops.launch_direct(dict(args, q=q, k=k, v=v), out)), key]
+        found = [("SparseForward.run", lambda: planned.run(q, k, v, out)),
+                 ("launcher (run_with)", lambda: one_shot_launch(q, k, v, b, out)),
+                 ("sparse_fwd", lambda: ops.launch_direct(dict(args, q=q, k=k, v=v), out)), key]
+        try:  # the same plan launching its kernels as one CUDA graph (graph_launch; its first run captures)
+            graphed = ops.planned_forward(args, q, k, v, out, graph_launch=True)
+        except TypeError:  # a build before graph_launch
+            return found
+        graphed.run(q, k, v, out)
+        return found + [("SparseForward.run (graph launch)", lambda: graphed.run(q, k, v, out))]
     if backend == "auto":  # its eager path asks whether the stream is capturing (routing.capturing)
         from flash_attn_sparse.routing import capturing
         return [key, ("capturing()", capturing)]

@@ -328,6 +328,17 @@ def test_a_fa2_plan_runs_the_extensions_planned_forward(fake_gpu, monkeypatch):
     assert len(runs) == 1
 
 
+def test_planned_forward_asks_for_a_graph_launch_by_name_only_when_wanted(monkeypatch):
+    """A build before graph_launch plans as ever: the keyword is passed only when true."""
+    made = []
+    monkeypatch.setattr(ops, "_cuda_module", lambda: type("Extension", (), {"SparseForward": lambda **kw: made.append(kw)}))
+    args = {"k_mask_source": None, "v_mask_source": None, "num_splits": 2}
+    PLANNED_FORWARD(args, "q", "k", "v", "out")
+    PLANNED_FORWARD(args, "q", "k", "v", "out", graph_launch=True)
+    assert "graph_launch" not in made[0] and made[1]["graph_launch"] is True
+    assert made[0]["num_splits"] == made[1]["num_splits"] == 2 and "k_mask_source" not in made[1]
+
+
 def test_a_fa3_plan_runs_the_extensions_planned_forward(fake_gpu, monkeypatch):
     """On fa3 a plan makes the op's SparseForward once with every argument by name (fwd_out's) and
     each run passes only q, k, v and out; an out of other strides goes through the extension's

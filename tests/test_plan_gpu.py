@@ -239,3 +239,48 @@ def test_fa2_one_shot_calls_of_one_shape_keep_their_own_lse_on_any_stream(num_sp
         call = calls.SparseCall(q, k, v, blocks, causal=False, softmax_scale=None, num_splits=num_splits, backend="fa2")
         ref_out, ref_lse = fa2.run(call, fa2.num_splits(call))
         assert torch.equal(out, ref_out) and torch.equal(lse, ref_lse)
+
+
+@pytest.mark.parametrize("num_splits", [1, 4, 8, 0])  # sm_90: 2-4 splits merge in a cluster, 8 through the combine
+def test_fa2_graph_launch_runs_bitwise_like_direct_launches(num_splits):
+    """SparseForward(graph_launch=True) (flash_api_sparse.h): the first run launches directly, the
+    next ones launch the kernels (forward, and the combine of a split call) as one CUDA graph given
+    that run's parameters. Every run, and run_with over other lists, equals the direct forward's
+    bitwise; a run on a stream being captured launches directly, and its replay equals too."""
+    from flash_attn_sparse import ops
+    q, k, v = inputs(31)
+    blocks = per_kv_head_lists(32)
+    plan = fas.plan(q, k, v, blocks, backend="fa2", num_splits=num_splits)
+    args = plan._extension_args
+    try:
+        graphed = ops.planned_forward(args, q, k, v, torch.empty_like(q), graph_launch=True)
+    except TypeError as error:  # a build before graph_launch
+        pytest.skip(f"this flash_attn_2_cuda has no SparseForward graph_launch: {error}")
+    direct = ops.planned_forward(args, q, k, v, torch.empty_like(q))
+    other = per_kv_head_lists(33)
+    for seed in range(34, 38):
+        q_i, k_i, v_i = inputs(seed)
+        out_graph, out_direct = torch.full_like(q, float("nan")), torch.full_like(q, float("nan"))
+        lse_graph = graphed.run(q_i, k_i, v_i, out_graph).clone()
+        lse_direct = direct.run(q_i, k_i, v_i, out_direct).clone()
+        assert torch.equal(out_graph, out_direct) and torch.equal(lse_graph, lse_direct)
+        lists = dict(full_cnt=other.full_cnt, full_idx=other.full_idx, mask_cnt=None, mask_idx=None, cu_seqlens_q=None,
+                     cu_seqlens_k=None, seqused_k=None, page_table=None, cu_total_m_blocks=None, cu_block_idx_offsets=None)
+        lse_graph = graphed.run_with(q=q_i, k=k_i, v=v_i, out=out_graph, **lists)
+        lse_direct = direct.run_with(q=q_i, k=k_i, v=v_i, out=out_direct, **lists)
+        assert torch.equal(out_graph, out_direct) and torch.equal(lse_graph, lse_direct)
+    visible = torch.zeros(B, H, SQ, SK, dtype=torch.bool, device="cuda")
+    for b in range(B):
+        for h in range(H):
+            row = other.full_idx[b, h // (H // HK), 0, :int(other.full_cnt[b, h // (H // HK), 0])].tolist()
+            visible[b, h, :, block_positions(row, BS, SK).cuda()] = True
+    assert_close_to_reference(out_graph, lse_graph, q_i, k_i, v_i, visible)
+    captured_out = torch.empty_like(q)
+    cuda_graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(cuda_graph):
+        captured_lse = graphed.run(q, k, v, captured_out)
+    captured_out.zero_()
+    cuda_graph.replay()
+    reference_out = torch.empty_like(q)
+    reference_lse = direct.run(q, k, v, reference_out)
+    assert torch.equal(captured_out, reference_out) and torch.equal(captured_lse, reference_lse)

@@ -156,3 +156,18 @@ def test_fa2_run_with_names_run_s_tensors_then_the_constructor_s_lists_in_order(
     assert bound == declared == ["q", "k", "v", "out"] + lists
     constructor = re.search(r"\bSparseForward\((.*?)\);", header, re.S).group(1)
     assert [p.split()[-1].lstrip("&") for p in constructor.split(",")][4:14] == lists
+
+
+def test_fa2_sparse_forward_binds_the_constructor_s_parameters_by_name_in_order():
+    """SparseForward's constructor (patch 0005's py::init) names flash_api_sparse.h's parameters in
+    their order, keyword-only, graph_launch last and false unless asked for (planned_forward asks
+    for it by name only when true)."""
+    text = BINDINGS_PATCH.read_text().replace("\n+             ", " ").replace("\n+                      ", " ")
+    body = text[text.index('py::class_<FLASH_NAMESPACE::SparseForward>'):]
+    body = body[:body.index('.def("run"')]
+    assert "py::kw_only()" in body and 'py::arg("graph_launch") = false' in body
+    bound = re.findall(r'py::arg\("(\w+)"\)', body)
+    header = (OVERLAY / "flash_api_sparse.h").read_text()
+    constructor = re.search(r"\bSparseForward\((.*?)\);", header, re.S).group(1)
+    declared = [p.split("=")[0].split()[-1].lstrip("&") for p in constructor.split(",")]
+    assert bound == declared and declared[-1] == "graph_launch"

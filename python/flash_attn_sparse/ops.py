@@ -70,14 +70,17 @@ def launch_direct(extension_args: dict, out: Tensor) -> Tensor:
     return _cuda_module().sparse_fwd(**extension_args, out=out, out_partial=None, lse_partial=None, partial_offset=0)[1]
 
 
-def planned_forward(extension_args: dict, q: Tensor, k: Tensor, v: Tensor, out: Tensor):
+def planned_forward(extension_args: dict, q: Tensor, k: Tensor, v: Tensor, out: Tensor, graph_launch: bool = False):
     """The extension's SparseForward over these arguments (checked once there; run(q, k, v, out)
-    launches), or None for a call it does not plan (a second K/V source) or a build without it."""
+    launches), or None for a call it does not plan (a second K/V source) or a build without it.
+    graph_launch: its runs after the first launch the kernels as one CUDA graph (flash_api_sparse.h;
+    an experiment timed by benchmarks/host_time.py, not yet used by plans); asked for only when
+    true, so a build before it plans as ever."""
     planner = getattr(_cuda_module(), "SparseForward", None)
     if planner is None or extension_args["k_mask_source"] is not None:
         return None
     planned = {name: value for name, value in extension_args.items() if name not in ("k_mask_source", "v_mask_source")}
-    return planner(**dict(planned, q=q, k=k, v=v, out=out))
+    return planner(**dict(planned, q=q, k=k, v=v, out=out), **({"graph_launch": True} if graph_launch else {}))
 
 
 def extension_args(op_args: dict) -> dict:

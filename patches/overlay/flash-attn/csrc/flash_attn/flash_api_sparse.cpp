@@ -8,6 +8,7 @@
 
 #include <algorithm>
 #include <limits>
+#include <utility>
 
 #include <torch/python.h>
 #include <c10/cuda/CUDAGuard.h>
@@ -374,12 +375,76 @@ static SparseLaunch prepare_sparse(
     return launch;
 }
 
-static void launch_sparse(SparseLaunch &launch) {
-    if (launch.empty) { return; }
-    auto stream = at::cuda::getCurrentCUDAStream().stream();
+static void launch_kernels(SparseLaunch &launch, cudaStream_t stream) {
     run_sparse(launch.params, stream, launch.wide, launch.split);
     if (!launch.partial && launch.out_accum.defined()) { run_combine(launch.params, stream); }
 }
+
+static void launch_sparse(SparseLaunch &launch) {
+    if (launch.empty) { return; }
+    launch_kernels(launch, at::cuda::getCurrentCUDAStream().stream());
+}
+
+// SparseForward's graph_launch: the planned kernels (the forward and, for a split call, the
+// combine) captured once on a private stream; each run gives every kernel node its one argument,
+// that run's parameters, and launches the graph once, where a direct run pays the runtime's
+// launch per kernel (5-17 us each on the lent H200's host, runs 127-129; the B1 Sq1 128k kernel
+// itself takes 12-15 us). The kernels' grids and flags are the plan's, fixed per SparseForward.
+class KernelGraph {
+  public:
+    explicit KernelGraph(SparseLaunch &launch) {
+        cudaStream_t capture = nullptr;
+        C10_CUDA_CHECK(cudaStreamCreateWithFlags(&capture, cudaStreamNonBlocking));
+        C10_CUDA_CHECK(cudaStreamBeginCapture(capture, cudaStreamCaptureModeThreadLocal));
+        try {
+            launch_kernels(launch, capture);
+        } catch (...) {
+            cudaGraph_t partial = nullptr;
+            cudaStreamEndCapture(capture, &partial);
+            if (partial != nullptr) { cudaGraphDestroy(partial); }
+            cudaStreamDestroy(capture);
+            throw;
+        }
+        const cudaError_t captured = cudaStreamEndCapture(capture, &graph_);
+        C10_CUDA_CHECK(cudaStreamDestroy(capture));
+        C10_CUDA_CHECK(captured);
+        size_t count = 0;
+        C10_CUDA_CHECK(cudaGraphGetNodes(graph_, nullptr, &count));
+        std::vector<cudaGraphNode_t> nodes(count);
+        C10_CUDA_CHECK(cudaGraphGetNodes(graph_, nodes.data(), &count));
+        for (cudaGraphNode_t node : nodes) {
+            cudaGraphNodeType type;
+            C10_CUDA_CHECK(cudaGraphNodeGetType(node, &type));
+            TORCH_CHECK(type == cudaGraphNodeTypeKernel, "SparseForward: its graph launch holds kernels only");
+            cudaKernelNodeParams kernel{};
+            C10_CUDA_CHECK(cudaGraphKernelNodeGetParams(node, &kernel));
+            kernels_.emplace_back(node, kernel);
+        }
+        C10_CUDA_CHECK(cudaGraphInstantiate(&exec_, graph_, 0));
+    }
+    KernelGraph(const KernelGraph &) = delete;
+    KernelGraph &operator=(const KernelGraph &) = delete;
+    ~KernelGraph() {
+        if (exec_ != nullptr) { cudaGraphExecDestroy(exec_); }
+        if (graph_ != nullptr) { cudaGraphDestroy(graph_); }
+    }
+
+    // Every kernel takes one argument, the parameters (by value: copied when set).
+    void launch(const Flash_fwd_params &params, cudaStream_t stream) {
+        void *argument = const_cast<Flash_fwd_params *>(&params);
+        for (auto &[node, kernel] : kernels_) {
+            kernel.kernelParams = &argument;
+            kernel.extra = nullptr;
+            C10_CUDA_CHECK(cudaGraphExecKernelNodeSetParams(exec_, node, &kernel));
+        }
+        C10_CUDA_CHECK(cudaGraphLaunch(exec_, stream));
+    }
+
+  private:
+    cudaGraph_t graph_ = nullptr;  // kept: its nodes name those of exec_
+    cudaGraphExec_t exec_ = nullptr;
+    std::vector<std::pair<cudaGraphNode_t, cudaKernelNodeParams>> kernels_;
+};
 
 std::vector<at::Tensor> mha_fwd_sparse(
     const at::Tensor &q, const at::Tensor &k, const at::Tensor &v,
@@ -412,7 +477,7 @@ SparseForward::SparseForward(
     std::optional<at::Tensor> seqused_k, std::optional<at::Tensor> page_table,
     std::optional<at::Tensor> cu_total_m_blocks, std::optional<at::Tensor> cu_block_idx_offsets,
     int max_seqlen_q, int max_seqlen_k, int block_size, int q_block_size,
-    double softmax_scale, bool is_causal, int num_splits, bool pack_gqa)
+    double softmax_scale, bool is_causal, int num_splits, bool pack_gqa, bool graph_launch)
     : device_(q.device()), q_sizes_(q.sizes().vec()), q_strides_(q.strides().vec()), k_sizes_(k.sizes().vec()),
       k_strides_(k.strides().vec()), v_strides_(v.strides().vec()), out_strides_(out.strides().vec()), dtype_(q.scalar_type()) {
     at::cuda::CUDAGuard device_guard{q.device()};
@@ -433,6 +498,28 @@ SparseForward::SparseForward(
         if (lists[i].has_value()) { list_layouts_[i] = {true, lists[i]->sizes().vec(), lists[i]->strides().vec()}; }
     }
     keep_alive(lists);
+    graph_launch_ = graph_launch;
+}
+
+SparseForward::~SparseForward() = default;  // KernelGraph is complete here
+
+void SparseForward::launch_planned(SparseLaunch &launch) {
+    if (launch.empty) { return; }
+    const cudaStream_t stream = at::cuda::getCurrentCUDAStream().stream();
+    cudaStreamCaptureStatus capturing = cudaStreamCaptureStatusNone;
+    if (graph_launch_) { C10_CUDA_CHECK(cudaStreamIsCapturing(stream, &capturing)); }
+    if (!graph_launch_ || capturing != cudaStreamCaptureStatusNone) {
+        launch_kernels(launch, stream);
+        return;
+    }
+    if (graph_ == nullptr) {
+        // The first eager run launches directly (setting the kernels' attributes outside any
+        // capture), then captures the kernels for the runs after it.
+        launch_kernels(launch, stream);
+        graph_ = std::make_unique<KernelGraph>(launch);
+        return;
+    }
+    graph_->launch(launch.params, stream);
 }
 
 void SparseForward::check_planned(const at::Tensor &q, const at::Tensor &k, const at::Tensor &v, const at::Tensor &out,
@@ -471,7 +558,7 @@ at::Tensor SparseForward::run(const at::Tensor &q, const at::Tensor &k, const at
     launch_.params.v_ptr = v.data_ptr();
     launch_.params.o_ptr = out.data_ptr();
     launch_.out = out;
-    launch_sparse(launch_);
+    launch_planned(launch_);
     return launch_.softmax_lse;
 }
 
@@ -522,7 +609,7 @@ at::Tensor SparseForward::run_with(const at::Tensor &q, const at::Tensor &k, con
         params.oaccum_ptr = partials;
         params.softmax_lseaccum_ptr = partials + out_accum_numel_;
     }
-    launch_sparse(launch);
+    launch_planned(launch);
     keep_alive(lists);  // until the next call, as a plan keeps its own
     return launch.softmax_lse;
 }

@@ -6,6 +6,7 @@
 #pragma once
 
 #include <array>
+#include <memory>
 #include <optional>
 #include <tuple>
 #include <vector>
@@ -57,7 +58,12 @@ struct SparseLaunch {
 // page table are the caller's tensors, read at every run. run_with also swaps in the lists,
 // offsets, seqused_k and page table (laid out as planned), returns a new LSE and takes its split
 // partials from the allocator per call (stream-ordered, so any stream): the one-shot cache's
-// launch, whose entry drops run's buffers (release_run_buffers) to hold none.
+// launch, whose entry drops run's buffers (release_run_buffers) to hold none. With graph_launch,
+// the runs after the first launch the planned kernels as one CUDA graph (KernelGraph) given each
+// run's parameters, one cudaGraphLaunch instead of a runtime launch per kernel; a run on a stream
+// being captured launches them directly (a graph cannot be launched into a capture).
+class KernelGraph;
+
 class SparseForward {
   public:
     SparseForward(const at::Tensor &q, const at::Tensor &k, const at::Tensor &v, at::Tensor out,
@@ -67,7 +73,8 @@ class SparseForward {
                   std::optional<at::Tensor> seqused_k, std::optional<at::Tensor> page_table,
                   std::optional<at::Tensor> cu_total_m_blocks, std::optional<at::Tensor> cu_block_idx_offsets,
                   int max_seqlen_q, int max_seqlen_k, int block_size, int q_block_size,
-                  double softmax_scale, bool is_causal, int num_splits, bool pack_gqa);
+                  double softmax_scale, bool is_causal, int num_splits, bool pack_gqa, bool graph_launch = false);
+    ~SparseForward();
     at::Tensor run(const at::Tensor &q, const at::Tensor &k, const at::Tensor &v, at::Tensor out);
     at::Tensor run_with(const at::Tensor &q, const at::Tensor &k, const at::Tensor &v, at::Tensor out,
                         const at::Tensor &full_cnt, const at::Tensor &full_idx,
@@ -89,6 +96,7 @@ class SparseForward {
                        const char *what) const;
     bool has_layout(const std::optional<at::Tensor> &t, const Layout &planned) const;
     void keep_alive(const ListTensors &lists);
+    void launch_planned(SparseLaunch &launch);  // directly, or through graph_
 
     SparseLaunch launch_;
     at::Device device_;
@@ -98,6 +106,8 @@ class SparseForward {
     std::array<Layout, 10> list_layouts_;
     bool released_ = false;
     std::vector<at::Tensor> lists_;  // kept alive: the parameters point into them
+    bool graph_launch_ = false;
+    std::unique_ptr<KernelGraph> graph_;  // made by the first eager run with graph_launch
 };
 
 // Merges partials (S x b x h x seqlen_q x d_rounded fp32, S x b x h x seqlen_q fp32) into out and
