@@ -1,8 +1,9 @@
 """Where a call's host time goes, at the decode shapes of DESIGN §7 (1/16, per-K/V-head lists).
 
-For each backend present (fa2, fa3, fa4, and auto: where its eager runs go, routing.eager_choice)
-and each shape it times, in one process (every figure the median of --passes whole passes over
-the rows, 3 by default, with the one-shot's range across them):
+For each backend present (fa2; fa2-graph, fa2 with its kernels launched as one CUDA graph per run
+(ops.GRAPH_LAUNCH); fa3, fa4, and auto: where its eager runs go, routing.eager_choice) and each
+shape it times, in one process (every figure the median of --passes whole passes over the rows, 3
+by default, with the one-shot's range across them):
 - `after sync`: median over 200 calls of one call started on an idle GPU, plan.run, the one-shot
   call, their parts and a lone copy taking turns call by call (a drifting host weighs on each
   alike), and `back to back`: the mean host time of 200 calls issued without waiting (what an
@@ -150,6 +151,12 @@ def parts(backend, plan, q, k, v):
     return found
 
 
+def graph_launch_built() -> bool:
+    """Whether flash_attn_2_cuda.SparseForward takes graph_launch (its pybind11 signature says)."""
+    from flash_attn_sparse import ops
+    return "graph_launch" in (getattr(getattr(ops._cuda_module(), "SparseForward", None), "__init__", None).__doc__ or "")
+
+
 def one_run_graph(run) -> list:
     """[("graph of one run", replay)]: one plan.run captured as a CUDA graph and replayed, the host
     time a run would cost as one graph launch (what a SparseForward owning a graph of its launches
@@ -166,6 +173,20 @@ def one_run_graph(run) -> list:
 
 
 def measure(shape, backend):
+    """One row; backend "fa2-graph": fa2 with ops.GRAPH_LAUNCH on (plans and the one-shot cache's
+    entries launch their kernels as one CUDA graph), beside the fa2 row of the same pass."""
+    if backend == "fa2-graph":
+        from flash_attn_sparse import interface, ops
+        if not graph_launch_built():
+            return {"shape": shape.name, "backend": backend, "note": "refused: this build has no graph_launch"}
+        ops.GRAPH_LAUNCH = True
+        interface._decisions.clear()  # the one-shot cache's fa2 entries, planned anew with graph_launch
+        try:
+            row = measure(shape, "fa2")
+        finally:
+            ops.GRAPH_LAUNCH = False
+            interface._decisions.clear()
+        return dict(row, backend="fa2-graph")
     import random
     q, k, v = random_inputs(shape)
     blocks = to_blocks(make_lists(shape, random.Random(0)), shape)
@@ -246,7 +267,7 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path)
     parser.add_argument("--shapes", default="B8 Sq16,B8 Sq1,B1 Sq1", help="comma-separated substrings of the decode shapes")
-    parser.add_argument("--backends", default="fa2,fa3,fa4,auto")
+    parser.add_argument("--backends", default="fa2,fa2-graph,fa3,fa4,auto")
     parser.add_argument("--passes", type=int, default=3, help="whole passes over the rows; each figure their median")
     args = parser.parse_args()
     shapes = [s for s in DECODE if abs(s.density - 1 / 16) < 1e-9 and any(p in s.name for p in args.shapes.split(","))]
@@ -264,7 +285,7 @@ def main():
     for _ in range(args.passes):
         for shape in shapes:
             for backend in args.backends.split(","):
-                if backend != "auto" and backend not in BACKENDS:
+                if backend not in ("auto", "fa2-graph") and backend not in BACKENDS:
                     continue
                 row = measure(shape, backend)
                 passes.setdefault((shape.name, backend), []).append(row)

@@ -329,7 +329,8 @@ def test_a_fa2_plan_runs_the_extensions_planned_forward(fake_gpu, monkeypatch):
 
 
 def test_planned_forward_asks_for_a_graph_launch_by_name_only_when_wanted(monkeypatch):
-    """A build before graph_launch plans as ever: the keyword is passed only when true."""
+    """A build before graph_launch plans as ever: the keyword is passed only when true (by default
+    when ops.GRAPH_LAUNCH is, the switch benchmarks/host_time.py's fa2-graph row turns on)."""
     made = []
     monkeypatch.setattr(ops, "_cuda_module", lambda: type("Extension", (), {"SparseForward": lambda **kw: made.append(kw)}))
     args = {"k_mask_source": None, "v_mask_source": None, "num_splits": 2}
@@ -337,6 +338,10 @@ def test_planned_forward_asks_for_a_graph_launch_by_name_only_when_wanted(monkey
     PLANNED_FORWARD(args, "q", "k", "v", "out", graph_launch=True)
     assert "graph_launch" not in made[0] and made[1]["graph_launch"] is True
     assert made[0]["num_splits"] == made[1]["num_splits"] == 2 and "k_mask_source" not in made[1]
+    monkeypatch.setattr(ops, "GRAPH_LAUNCH", True)  # plans and the one-shot launcher ask by default then
+    PLANNED_FORWARD(args, "q", "k", "v", "out")
+    PLANNED_FORWARD(args, "q", "k", "v", "out", graph_launch=False)
+    assert made[2]["graph_launch"] is True and "graph_launch" not in made[3]
 
 
 def test_a_fa3_plan_runs_the_extensions_planned_forward(fake_gpu, monkeypatch):

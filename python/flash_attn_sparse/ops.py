@@ -70,12 +70,19 @@ def launch_direct(extension_args: dict, out: Tensor) -> Tensor:
     return _cuda_module().sparse_fwd(**extension_args, out=out, out_partial=None, lse_partial=None, partial_offset=0)[1]
 
 
-def planned_forward(extension_args: dict, q: Tensor, k: Tensor, v: Tensor, out: Tensor, graph_launch: bool = False):
+# SparseForward's graph_launch for plans and the one-shot launcher (None in planned_forward): an
+# experiment of session 25, off until measured; benchmarks/host_time.py turns it on for a second
+# FA-2 row in the same run.
+GRAPH_LAUNCH = False
+
+
+def planned_forward(extension_args: dict, q: Tensor, k: Tensor, v: Tensor, out: Tensor,
+                    graph_launch: Optional[bool] = None):
     """The extension's SparseForward over these arguments (checked once there; run(q, k, v, out)
     launches), or None for a call it does not plan (a second K/V source) or a build without it.
-    graph_launch: its runs after the first launch the kernels as one CUDA graph (flash_api_sparse.h;
-    an experiment timed by benchmarks/host_time.py, not yet used by plans); asked for only when
-    true, so a build before it plans as ever."""
+    graph_launch (None: GRAPH_LAUNCH): its runs after the first launch the kernels as one CUDA
+    graph (flash_api_sparse.h); asked for only when true, so a build before it plans as ever."""
+    graph_launch = GRAPH_LAUNCH if graph_launch is None else graph_launch
     planner = getattr(_cuda_module(), "SparseForward", None)
     if planner is None or extension_args["k_mask_source"] is not None:
         return None
