@@ -8,6 +8,7 @@ import importlib.util
 import io
 import json
 import os
+import re
 import shutil
 import stat
 import subprocess
@@ -658,3 +659,15 @@ def test_a_wheel_label_hashes_its_own_upstreams_patches_not_the_others(tmp_path)
     fa3_patch.write_bytes(described)
     (layout.patches / "flash-attn-4" / "0001-sm90-forward-varlen-block-sparse-rows-with-tile-n.patch").write_text("changed\n")
     assert labels()["flash-attn"] != after["flash-attn"]  # FA-4's patches name the FA-2 wheel's extra
+
+
+def test_every_patch_of_the_series_states_its_stage_and_upstream_status():
+    """Each header says why the patch exists, its stage, and whether it could go upstream (as
+    Electron's patches do): a new patch without an `Upstream:` line fails here."""
+    listed = [line.split()[0] for line in (REPO / "patches" / "series").read_text().splitlines()
+              if line and not line.startswith("#")]
+    assert len(listed) == 23
+    for name in listed:
+        header = (REPO / "patches" / name).read_text().split("\n---\n", 1)[0]
+        assert re.search(r"^Upstream( status)?: \S", header, re.M), f"{name}: no Upstream: line in its header"
+        assert re.search(r"^Stage: \d$", header, re.M), f"{name}: no Stage: line in its header"
