@@ -124,6 +124,11 @@ def test_outside_a_graph_capture_short_fa4_calls_go_where_auto_would_send_them_w
     monkeypatch.setattr(ops, "compiled_head_dims", lambda: ((64,), False))
     assert routing.eager_choice(causal_4k, "fa4", 1) is None
 
+    def no_extension():
+        raise ImportError("No module named 'flash_attn_2_cuda'")
+    monkeypatch.setattr(ops, "compiled_head_dims", no_extension)
+    assert routing.eager_choice(causal_4k, "fa4", 1) is None
+
 
 def test_a_decision_runs_its_eager_choice_unless_the_stream_is_capturing(builds, monkeypatch):
     """One cached decision serves both: eager calls launch the eager backend, captured ones FA-4."""

@@ -101,9 +101,17 @@ def eager_choice(call: SparseCall, backend: str, splits: int) -> Optional[Tuple[
            f"call (FA4_EAGER_MIN_GPU_US {FA4_EAGER_MIN_GPU_US:.0f})")
     if _fa3_takes(call):
         return "fa3", why
-    if ops.head_dim_refusal(call.q.shape[-1]) is None:  # a dev FA-2 build compiles head dims 64 and 128 only
+    if _fa2_build_runs(call.q.shape[-1]):
         return "fa2", why
     return None
+
+
+def _fa2_build_runs(head_dim: int) -> bool:
+    """Whether the FA-2 build has kernels for head_dim (a dev build compiles 64 and 128 only)."""
+    try:
+        return ops.head_dim_refusal(head_dim) is None
+    except ImportError:  # no flash_attn_2_cuda here: nothing to send the call to
+        return False
 
 
 def capturing() -> bool:
