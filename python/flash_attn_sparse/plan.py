@@ -70,9 +70,11 @@ class SparsePlan:
         self.eager_backend, self.eager_why = self.backend, self.why
         if self._decision.eager is not None:
             self.eager_backend, self.eager_why = self._decision.eager.backend, self._decision.eager.why
+            # validate="cheap": this plan's call has checked the lists' contents where asked to
+            # (a second exhaustive check would read them back, a host sync, again).
             self._eager_plan = SparsePlan(q, k, v, blocks, block_size=block_size, causal=causal,
                                           softmax_scale=softmax_scale, num_splits=num_splits,
-                                          backend=self.eager_backend, validate=validate, seqused_k=seqused_k,
+                                          backend=self.eager_backend, validate="cheap", seqused_k=seqused_k,
                                           page_table=page_table, **shapes)
         # One default output for both (run hands the eager plan this one's): the eager plan's.
         self.out = self._eager_plan.out if self._eager_plan is not None else torch.empty_like(q)

@@ -16,7 +16,7 @@ from torch import Tensor
 
 from .. import ops
 from ..metadata import cdiv, fail
-from .device import MAX_SPLITS, num_sms
+from .device import MAX_SPLITS, for_run_with, num_sms
 
 KERNEL_ROWS = 64  # query rows per CTA of the split-capable kernel
 DECODE_KERNEL_ROWS = 16  # ... or of its 16-row forms: key-split, or one-warp decode over long lists when
@@ -152,12 +152,8 @@ def launcher(call, splits: int, out: Optional[Tensor] = None) -> Callable:
     assert call.mask_lists is None and call.mask_source is None
     extension_args = ops.extension_args(op_args(call, splits))
     bound = {name: value for name, value in extension_args.items() if not isinstance(value, Tensor)}
-    reused = ops.planned_forward(extension_args, call.q, call.k, call.v,
-                                 torch.empty_like(call.q) if out is None else out)
-    if reused is not None and hasattr(reused, "run_with"):
-        reused.release_run_buffers()  # run_with takes its buffers per call: the cache entry holds none
-    else:
-        reused = None  # a build without run_with
+    reused = for_run_with(ops.planned_forward(extension_args, call.q, call.k, call.v,
+                                              torch.empty_like(call.q) if out is None else out))
 
     def launch(q, k, v, blocks, out, cu_seqlens_q=None, cu_seqlens_k=None, seqused_k=None, page_table=None):
         if out is None:

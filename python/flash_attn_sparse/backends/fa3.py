@@ -16,6 +16,7 @@ import torch
 from torch import Tensor
 
 from . import fa3_ops
+from .device import for_run_with
 
 
 def refusal(call) -> Optional[str]:
@@ -65,11 +66,7 @@ def launcher(call, splits: int, out: Optional[Tensor] = None, reuse_plan: bool =
     Else through the extension's fwd_into, or the op fwd_out for a build without it."""
     bound = _bound_args(call, splits)
     forward = fa3_ops.direct() or fa3_ops.op_out()  # both take fwd_out's arguments by name
-    reused = planned(call, splits, torch.empty_like(call.q) if out is None else out) if reuse_plan else None
-    if reused is not None and hasattr(reused, "run_with"):
-        reused.release_run_buffers()  # run_with takes its buffers per call: the cache entry holds none
-    else:
-        reused = None  # an extension without run_with
+    reused = for_run_with(planned(call, splits, torch.empty_like(call.q) if out is None else out)) if reuse_plan else None
 
     def launch(q, k, v, blocks, out, cu_seqlens_q=None, cu_seqlens_k=None, seqused_k=None, page_table=None):
         if out is None:
