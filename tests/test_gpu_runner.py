@@ -32,7 +32,7 @@ def test_list_names_every_step_with_one_line_of_help(capsys):
     lines = capsys.readouterr().out.splitlines()
     assert [line.split()[0] for line in lines] == list(gpu_steps.STEPS)
     new_steps = ["fuzz", "upstream-fa2", "example", "upstream-fa3", "distributed", "client-bench", "bench-pristine-fa4", "host-time",
-                 "sanitize-fuzz", "fa3-variants", "host-profile", "ncu-fa3-prefill"]
+                 "sanitize-fuzz", "fa3-variants", "host-profile", "ncu-fa3-prefill", "ncu-fa3-decode"]
     assert set(SHELL_STEPS + new_steps) == set(gpu_steps.STEPS)
     assert all(len(line.split(maxsplit=1)) == 2 for line in lines)
 
@@ -219,8 +219,10 @@ def test_reusing_the_fa2_wheel_installs_the_carried_fa3_wheel_or_builds_fa3_alon
     assert stale.return_wheels and any("built here" in note and "in 280 s" in note for note in stale.notes)
 
 
-def test_ncu_fa3_prefill_profiles_fa3_kernels_by_their_demangled_names(capsys):
+@pytest.mark.parametrize("step, shape", [("ncu-fa3-prefill", "'prefill B1 S16k H32 full' --density 0.0625"),
+                                         ("ncu-fa3-decode", "'decode B8 Sq16' --density 1.0")])
+def test_ncu_fa3_steps_profile_fa3_kernels_by_their_demangled_names(capsys, step, shape):
     """FA-3's kernels are all cutlass::device_kernel<...>: only the demangled name tells the forward."""
-    ncu = next(line for line in dry_run(capsys, "--wheel", "x.tar", "ncu-fa3-prefill") if line.startswith("ncu --set"))
-    assert "--kernel-name-base demangled -k regex:FlashAttnFwdSm90" in ncu and "benchmarks/profile_fa3_prefill.py" in ncu
-    assert "--launch-skip 2 --launch-count 4" in ncu
+    ncu = next(line for line in dry_run(capsys, "--wheel", "x.tar", step) if line.startswith("ncu --set"))
+    assert "--kernel-name-base demangled -k regex:FlashAttnFwdSm90" in ncu and "benchmarks/profile_fa3.py" in ncu
+    assert "--launch-skip 2 --launch-count 4" in ncu and f"--shape {shape}" in ncu

@@ -335,10 +335,19 @@ def ncu_spec(session) -> str:
 
 def ncu_fa3_prefill(session) -> str:
     """The third FA-3 sparse launch at prefill 1/16 and three of dense FA-3 over the listed keys in
-    the same 128-key tiles (benchmarks/profile_fa3_prefill.py), side by side."""
+    the same 128-key tiles (benchmarks/profile_fa3.py), side by side."""
+    return _ncu_fa3(session, "fa3-prefill", "prefill B1 S16k H32 full", 1 / 16)
+
+
+def ncu_fa3_decode(session) -> str:
+    """The same at decode B8 Sq16 with every block listed (dense FA-3 with its own splits)."""
+    return _ncu_fa3(session, "fa3-decode", "decode B8 Sq16", 1.0)
+
+
+def _ncu_fa3(session, name: str, shape: str, density: float) -> str:
     # FA-3's kernels are all cutlass::device_kernel<...>: the template argument names the forward.
-    return ncu_sass(session, "fa3-prefill", 4, kernels="FlashAttnFwdSm90", name_base="demangled",
-                    script="benchmarks/profile_fa3_prefill.py")
+    return ncu_sass(session, name, 4, "--shape", shape, "--density", str(density), kernels="FlashAttnFwdSm90",
+                    name_base="demangled", script="benchmarks/profile_fa3.py")
 
 
 def fa4_prefill_check(session) -> str:
@@ -462,6 +471,8 @@ STEPS = {
     "ncu-dense": ("ncu counters of the sparse kernel, every block listed, beside upstream's dense one (--ncu-targets)", ncu_dense),
     "ncu-fa3-prefill": ("per-SASS-instruction stalls of the FA-3 sparse kernel at prefill 1/16 beside dense FA-3 in its tile steps",
                         ncu_fa3_prefill),
+    "ncu-fa3-decode": ("the same at decode B8 Sq16 with every block listed, beside dense FA-3 with its own splits",
+                       ncu_fa3_decode),
     "ncu-source": ("per-SASS-instruction counters and stalls of the sparse kernel, every block listed, B1 Sq1", ncu_source),
     "ncu-spec": ("the same for the union pass and the one-launch speculative call, B8 Sq16 1/16", ncu_spec),
     "bench-pristine-fa4": ("the bench step's shapes: flash-attn-4's own block-sparse call, pristine release (.carry/fa4pristine)",
