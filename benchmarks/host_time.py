@@ -1,7 +1,8 @@
 """Where a call's host time goes, at the decode shapes of DESIGN §7 (1/16, per-K/V-head lists).
 
-For each backend present (fa2; fa2-graph, fa2 with its kernels launched as one CUDA graph per run
-(ops.GRAPH_LAUNCH); fa3, fa4, and auto: where its eager runs go, routing.eager_choice) and each
+For each backend present (fa2, fa3; fa2-graph and fa3-graph, the same with their planned kernels
+launched as one CUDA graph per run (backends/device.GRAPH_LAUNCH); fa4, and auto: where its eager
+runs go, routing.eager_choice) and each
 shape it times, in one process (every figure the median of --passes whole passes over the rows, 3
 by default, with the one-shot's range across them):
 - `after sync`: median over 200 calls of one call started on an idle GPU, plan.run, the one-shot
@@ -16,9 +17,9 @@ by default, with the one-shot's range across them):
   extension's fwd_into and the same launch through the op fwd_out's dispatcher), the one-shot
   cache's key, the plan's Python checks, and for scale a lone device copy and an empty Python call;
 - the host time of one plan.run captured as a CUDA graph and replayed (`graph of one run`): what
-  a run would cost as a single graph launch; on fa2, `SparseForward.run (graph launch)`: the same
-  plan launching its kernels as one graph given each run's parameters (graph_launch), beside its
-  direct `SparseForward.run`;
+  a run would cost as a single graph launch; on fa2 and fa3, `SparseForward.run (graph launch)`:
+  the same plan launching its kernels as one graph given each run's parameters (graph_launch),
+  beside its direct `SparseForward.run`;
 - the CUDA runtime calls inside 100 plan.run calls (torch.profiler's CPU-side events: count and
   mean us each), which says which driver calls a launch pays.
 
@@ -120,12 +121,7 @@ def parts(backend, plan, q, k, v):
         found = [("SparseForward.run", lambda: planned.run(q, k, v, out)),
                  ("launcher (run_with)", lambda: one_shot_launch(q, k, v, b, out)),
                  ("sparse_fwd", lambda: ops.launch_direct(dict(args, q=q, k=k, v=v), out)), key]
-        try:  # the same plan launching its kernels as one CUDA graph (graph_launch; its first run captures)
-            graphed = ops.planned_forward(args, q, k, v, out, graph_launch=True)
-        except TypeError:  # a build before graph_launch
-            return found
-        graphed.run(q, k, v, out)
-        return found + [("SparseForward.run (graph launch)", lambda: graphed.run(q, k, v, out))]
+        return found + graph_launched(lambda: ops.planned_forward(args, q, k, v, out, graph_launch=True), q, k, v, out)
     if backend == "auto":  # its eager path asks whether the stream is capturing (routing.capturing)
         from flash_attn_sparse.routing import capturing
         return [key, ("capturing()", capturing)]
@@ -136,6 +132,8 @@ def parts(backend, plan, q, k, v):
     if plan._planned is not None:
         planned = plan._planned
         found.append(("SparseForward.run", lambda: planned.run(q, k, v, out)))
+        call = plan._decision.call
+        found += graph_launched(lambda: fa3.planned(call, plan.num_splits, out, graph_launch=True), q, k, v, out)
     # The one-shot cache's launch (one SparseForward per shape, run_with per call, a new LSE each),
     # and the plan's launcher for outs of other strides (fwd_into: checks and buffers per call).
     one_shot_launch = fa3.launcher(plan._decision.call, plan.num_splits, out=out)
@@ -151,10 +149,26 @@ def parts(backend, plan, q, k, v):
     return found
 
 
-def graph_launch_built() -> bool:
-    """Whether flash_attn_2_cuda.SparseForward takes graph_launch (its pybind11 signature says)."""
-    from flash_attn_sparse import ops
-    return "graph_launch" in (getattr(getattr(ops._cuda_module(), "SparseForward", None), "__init__", None).__doc__ or "")
+def graph_launched(make, q, k, v, out) -> list:
+    """[("SparseForward.run (graph launch)", run)]: a plan's SparseForward made with graph_launch
+    (its first run captures), or [] for a build before graph_launch."""
+    try:
+        graphed = make()
+    except TypeError:
+        return []
+    graphed.run(q, k, v, out)
+    return [("SparseForward.run (graph launch)", lambda: graphed.run(q, k, v, out))]
+
+
+def graph_launch_built(backend: str) -> bool:
+    """Whether the backend's extension's SparseForward takes graph_launch (its pybind11 signature says)."""
+    if backend == "fa2":
+        from flash_attn_sparse import ops
+        planner = getattr(ops._cuda_module(), "SparseForward", None)
+    else:
+        from flash_attn_sparse.backends import fa3_ops
+        planner = fa3_ops.planner()
+    return "graph_launch" in (getattr(planner, "__init__", None).__doc__ or "")
 
 
 def one_run_graph(run) -> list:
@@ -172,21 +186,27 @@ def one_run_graph(run) -> list:
     return [("graph of one run", graph.replay)]
 
 
+GRAPH_ROWS = {"fa2-graph": "fa2", "fa3-graph": "fa3"}  # the rows with graph_launch on, and their backends
+
+
 def measure(shape, backend):
-    """One row; backend "fa2-graph": fa2 with ops.GRAPH_LAUNCH on (plans and the one-shot cache's
-    entries launch their kernels as one CUDA graph), beside the fa2 row of the same pass."""
-    if backend == "fa2-graph":
-        from flash_attn_sparse import interface, ops
-        if not graph_launch_built():
+    """One row; backend "fa2-graph" / "fa3-graph": fa2 / fa3 with device.GRAPH_LAUNCH on (plans and
+    the one-shot cache's entries launch their kernels as one CUDA graph), beside the plain row of
+    the same pass."""
+    if backend in GRAPH_ROWS:
+        from flash_attn_sparse import interface
+        from flash_attn_sparse.backends import device
+        plain = GRAPH_ROWS[backend]
+        if plain not in BACKENDS or not graph_launch_built(plain):
             return {"shape": shape.name, "backend": backend, "note": "refused: this build has no graph_launch"}
-        ops.GRAPH_LAUNCH = True
-        interface._decisions.clear()  # the one-shot cache's fa2 entries, planned anew with graph_launch
+        device.GRAPH_LAUNCH = True
+        interface._decisions.clear()  # the one-shot cache's entries, planned anew with graph_launch
         try:
-            row = measure(shape, "fa2")
+            row = measure(shape, plain)
         finally:
-            ops.GRAPH_LAUNCH = False
+            device.GRAPH_LAUNCH = False
             interface._decisions.clear()
-        return dict(row, backend="fa2-graph")
+        return dict(row, backend=backend)
     import random
     q, k, v = random_inputs(shape)
     blocks = to_blocks(make_lists(shape, random.Random(0)), shape)
@@ -267,7 +287,7 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path)
     parser.add_argument("--shapes", default="B8 Sq16,B8 Sq1,B1 Sq1", help="comma-separated substrings of the decode shapes")
-    parser.add_argument("--backends", default="fa2,fa2-graph,fa3,fa4,auto")
+    parser.add_argument("--backends", default="fa2,fa2-graph,fa3,fa3-graph,fa4,auto")
     parser.add_argument("--passes", type=int, default=3, help="whole passes over the rows; each figure their median")
     args = parser.parse_args()
     shapes = [s for s in DECODE if abs(s.density - 1 / 16) < 1e-9 and any(p in s.name for p in args.shapes.split(","))]
@@ -285,7 +305,7 @@ def main():
     for _ in range(args.passes):
         for shape in shapes:
             for backend in args.backends.split(","):
-                if backend not in ("auto", "fa2-graph") and backend not in BACKENDS:
+                if backend != "auto" and backend not in GRAPH_ROWS and backend not in BACKENDS:
                     continue
                 row = measure(shape, backend)
                 passes.setdefault((shape.name, backend), []).append(row)

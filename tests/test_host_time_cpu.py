@@ -1,6 +1,6 @@
 """benchmarks/host_time.py's table on the CPU: passes merge into medians with the one-shot's range,
-refused rows pass through, and the fa2-graph row switches ops.GRAPH_LAUNCH on for its own
-measurement only (the GPU parts are faked)."""
+refused rows pass through, and the fa2-graph and fa3-graph rows switch device.GRAPH_LAUNCH on for
+their own measurement only (the GPU parts are faked)."""
 
 import sys
 from pathlib import Path
@@ -9,7 +9,8 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "benchmarks"))
 import host_time  # noqa: E402
-from flash_attn_sparse import interface, ops  # noqa: E402
+from flash_attn_sparse import interface  # noqa: E402
+from flash_attn_sparse.backends import device  # noqa: E402
 
 
 def row(plan_us: float, one_shot_us: float, launch_us: float) -> dict:
@@ -31,24 +32,25 @@ def test_passes_merge_into_medians_with_the_one_shot_range():
 
 
 @pytest.mark.parametrize("built", [True, False])
-def test_the_fa2_graph_row_turns_graph_launch_on_for_itself_only(monkeypatch, built):
+@pytest.mark.parametrize("graph_row, plain", [("fa2-graph", "fa2"), ("fa3-graph", "fa3")])
+def test_a_graph_row_turns_graph_launch_on_for_itself_only(monkeypatch, built, graph_row, plain):
     seen = []
     real_measure = host_time.measure
 
     def fake_measure(shape, backend):
-        if backend == "fa2-graph":
+        if backend == graph_row:
             return real_measure(shape, backend)
-        seen.append((backend, ops.GRAPH_LAUNCH))
+        seen.append((backend, device.GRAPH_LAUNCH))
         return row(10.0, 30.0, 8.0)
 
     monkeypatch.setattr(host_time, "measure", fake_measure)
-    monkeypatch.setattr(host_time, "graph_launch_built", lambda: built)
+    monkeypatch.setattr(host_time, "graph_launch_built", lambda backend: built and backend == plain)
     interface._decisions[("stale",)] = None
     shape = type("Shape", (), {"name": "decode B1"})()
-    result = host_time.measure(shape, "fa2-graph")
-    assert ops.GRAPH_LAUNCH is False
-    if built:  # the one-shot cache emptied before and after: its fa2 entries planned with graph_launch
-        assert seen == [("fa2", True)] and result["backend"] == "fa2-graph" and not interface._decisions
+    result = host_time.measure(shape, graph_row)
+    assert device.GRAPH_LAUNCH is False
+    if built:  # the one-shot cache emptied before and after: its entries planned with graph_launch
+        assert seen == [(plain, True)] and result["backend"] == graph_row and not interface._decisions
     else:
         assert seen == [] and result["note"].startswith("refused")
     interface._decisions.clear()

@@ -11,7 +11,7 @@ import torch
 
 import flash_attn_sparse as fas
 from flash_attn_sparse import SparseBlocks, SparseInputError, calls, interface, ops
-from flash_attn_sparse.backends import fa2
+from flash_attn_sparse.backends import device, fa2
 
 PLANNED_FORWARD = ops.planned_forward  # the real one, before fake_gpu replaces it
 
@@ -330,7 +330,7 @@ def test_a_fa2_plan_runs_the_extensions_planned_forward(fake_gpu, monkeypatch):
 
 def test_planned_forward_asks_for_a_graph_launch_by_name_only_when_wanted(monkeypatch):
     """A build before graph_launch plans as ever: the keyword is passed only when true (by default
-    when ops.GRAPH_LAUNCH is, the switch benchmarks/host_time.py's fa2-graph row turns on)."""
+    when backends/device.GRAPH_LAUNCH is, the switch benchmarks/host_time.py's graph rows turn on)."""
     made = []
     monkeypatch.setattr(ops, "_cuda_module", lambda: type("Extension", (), {"SparseForward": lambda **kw: made.append(kw)}))
     args = {"k_mask_source": None, "v_mask_source": None, "num_splits": 2}
@@ -338,15 +338,16 @@ def test_planned_forward_asks_for_a_graph_launch_by_name_only_when_wanted(monkey
     PLANNED_FORWARD(args, "q", "k", "v", "out", graph_launch=True)
     assert "graph_launch" not in made[0] and made[1]["graph_launch"] is True
     assert made[0]["num_splits"] == made[1]["num_splits"] == 2 and "k_mask_source" not in made[1]
-    monkeypatch.setattr(ops, "GRAPH_LAUNCH", True)  # plans and the one-shot launcher ask by default then
+    monkeypatch.setattr(device, "GRAPH_LAUNCH", True)  # plans and the one-shot launcher ask by default then
     PLANNED_FORWARD(args, "q", "k", "v", "out")
     PLANNED_FORWARD(args, "q", "k", "v", "out", graph_launch=False)
     assert made[2]["graph_launch"] is True and "graph_launch" not in made[3]
 
 
 def test_a_fa3_plan_runs_the_extensions_planned_forward(fake_gpu, monkeypatch):
-    """On fa3 a plan makes the op's SparseForward once with every argument by name (fwd_out's) and
-    each run passes only q, k, v and out; an out of other strides goes through the extension's
+    """On fa3 a plan makes the op's SparseForward once with every argument by name (fwd_out's;
+    graph_launch only when device.GRAPH_LAUNCH is on) and each run passes only q, k, v and out;
+    an out of other strides goes through the extension's
     fwd_into (fwd_out's arguments by name) instead,
     and tensors the planned forward refuses are named by the plan's own check."""
     from flash_attn_sparse.backends import fa3, fa3_ops
@@ -387,6 +388,10 @@ def test_a_fa3_plan_runs_the_extensions_planned_forward(fake_gpu, monkeypatch):
     assert result is strided and outs == [strided] and len(runs) == 1
     with pytest.raises(SparseInputError, match="^v: the plan was made for shape"):
         plan.run(q2, k2, v2[:, :7])
+    assert "graph_launch" not in args
+    monkeypatch.setattr(device, "GRAPH_LAUNCH", True)  # the switch asks FA-3's SparseForward too
+    fas.SparsePlan(q, k, v, torch.tensor([0, 3], dtype=torch.int32), block_size=128, backend="fa3", num_splits=2)
+    assert made[-1]["graph_launch"] is True
 
 
 @pytest.mark.parametrize("with_run_with", [True, False])

@@ -122,8 +122,12 @@ def _fa3_pybind_names(anchor: str):
 @pytest.mark.parametrize("anchor", ['m.def("fwd_into"', "py::init<"])
 def test_fa3_eager_entry_points_take_the_op_fwd_outs_names_in_order(anchor):
     """flash_attn_3._C's fwd_into and SparseForward (pybind11) take fwd_out's arguments, named alike,
-    so the launcher and the plan hand them the op's keyword set."""
-    assert _fa3_pybind_names(anchor) == _fa3_schema_names("fwd_out")
+    so the launcher and the plan hand them the op's keyword set; SparseForward also graph_launch,
+    last and false unless asked for (backends/fa3.planned asks by name)."""
+    extra = ["graph_launch"] if anchor == "py::init<" else []
+    assert _fa3_pybind_names(anchor) == _fa3_schema_names("fwd_out") + extra
+    if extra:
+        assert 'py::arg("graph_launch") = false' in FA3_HOST.read_text()
     assert _fa3_schema_names("fwd_out") == ["q", "k", "v", "out"] + [n for n in _fa3_schema_names("fwd") if n not in "qkv"]
 
 

@@ -385,3 +385,56 @@ def test_a_planned_forward_reruns_bitwise_like_the_op(num_splits, causal):
         out, lse = plan.run(q, k, v)
         torch.cuda.synchronize()
         assert torch.equal(out, want[0]) and torch.equal(lse, want[1])
+
+
+@pytest.mark.parametrize("num_splits,causal", [(3, False), (8, True), (1, False)])
+def test_fa3_graph_launch_runs_bitwise_like_direct_launches(num_splits, causal):
+    """SparseForward(graph_launch=True) (KernelGraph, kernel_launch_sink.h): after the first run
+    the split forward and its combine launch as one CUDA graph given each run's arguments (TMA
+    descriptors built anew). Every run, and run_with over other lists, equals the direct forward
+    bitwise; the unsplit call (the persistent scheduler's tile counter) launches directly; a run on
+    a stream being captured launches directly, and its replay equals too."""
+    import flash_attn_sparse as fas
+    from flash_attn_sparse import SparseBlocks
+    from flash_attn_sparse.backends import fa3
+    g = torch.Generator(device="cuda").manual_seed(21 + num_splits)
+    q, k, v = random_qkv(2, 16, 6000, 8, 2, 128, torch.bfloat16, generator=g)
+    rng = random.Random(num_splits)
+
+    def lists():  # one capacity, so run_with takes the second set; causal: the tail block 46 is the diagonal
+        rows = [[[[b for b in gapped_permuted(rng, 47, 0.5, must=[46]) if not (causal and b == 46)]]
+                 for _ in range(2)] for _ in range(2)]
+        mask = pack_rows([[[[46]] for _ in range(2)] for _ in range(2)], 1) if causal else (None, None)
+        return SparseBlocks(*pack_rows(rows, 47), *mask, block_size=BLOCK, q_block_size=128)
+    blocks, other = lists(), lists()
+    plan = fas.plan(q, k, v, blocks, backend="fa3", causal=causal, num_splits=num_splits)
+    call = plan._decision.call
+    try:
+        graphed = fa3.planned(call, plan.num_splits, torch.empty_like(q), graph_launch=True)
+    except TypeError as error:  # a build before graph_launch
+        pytest.skip(f"this flash_attn_3._C has no SparseForward graph_launch: {error}")
+    direct = fa3.planned(call, plan.num_splits, torch.empty_like(q))
+    other_lists = dict(full_cnt=other.full_cnt, full_idx=other.full_idx, mask_cnt=other.mask_cnt, mask_idx=other.mask_idx,
+                       cu_total_m_blocks=None, cu_block_idx_offsets=None, cu_seqlens_q=None, cu_seqlens_k=None)
+    for seed in range(4):
+        q_i, k_i, v_i = random_qkv(2, 16, 6000, 8, 2, 128, torch.bfloat16,
+                                   generator=torch.Generator(device="cuda").manual_seed(seed))
+        out_graph, out_direct = torch.full_like(q, float("nan")), torch.full_like(q, float("nan"))
+        lse_graph = graphed.run(q_i, k_i, v_i, out_graph).clone()
+        lse_direct = direct.run(q_i, k_i, v_i, out_direct).clone()
+        assert torch.equal(out_graph, out_direct) and torch.equal(lse_graph, lse_direct)
+        lse_graph = graphed.run_with(q=q_i, k=k_i, v=v_i, out=out_graph, **other_lists)
+        lse_direct = direct.run_with(q=q_i, k=k_i, v=v_i, out=out_direct, **other_lists)
+        assert torch.equal(out_graph, out_direct) and torch.equal(lse_graph, lse_direct)
+    want = fas.flash_attn_with_sparse_block_table(q_i, k_i, v_i, other, backend="fa3", causal=causal, num_splits=num_splits)
+    assert torch.equal(out_graph, want[0]) and torch.equal(lse_graph, want[1])
+    captured_out = torch.empty_like(q)
+    torch.cuda.synchronize()
+    cuda_graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(cuda_graph):
+        captured_lse = graphed.run(q, k, v, captured_out)
+    captured_out.zero_()
+    cuda_graph.replay()
+    reference_out = torch.empty_like(q)
+    reference_lse = direct.run(q, k, v, reference_out)
+    assert torch.equal(captured_out, reference_out) and torch.equal(captured_lse, reference_lse)

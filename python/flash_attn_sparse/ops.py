@@ -10,6 +10,8 @@ from typing import Optional, Tuple
 import torch
 from torch import Tensor
 
+from .backends.device import graph_launch_option
+
 
 @functools.lru_cache(maxsize=None)  # an import statement per launch costs host time
 def _cuda_module():
@@ -70,24 +72,17 @@ def launch_direct(extension_args: dict, out: Tensor) -> Tensor:
     return _cuda_module().sparse_fwd(**extension_args, out=out, out_partial=None, lse_partial=None, partial_offset=0)[1]
 
 
-# SparseForward's graph_launch for plans and the one-shot launcher (None in planned_forward): an
-# experiment of session 25, off until measured; benchmarks/host_time.py turns it on for a second
-# FA-2 row in the same run.
-GRAPH_LAUNCH = False
-
-
 def planned_forward(extension_args: dict, q: Tensor, k: Tensor, v: Tensor, out: Tensor,
                     graph_launch: Optional[bool] = None):
     """The extension's SparseForward over these arguments (checked once there; run(q, k, v, out)
     launches), or None for a call it does not plan (a second K/V source) or a build without it.
-    graph_launch (None: GRAPH_LAUNCH): its runs after the first launch the kernels as one CUDA
-    graph (flash_api_sparse.h); asked for only when true, so a build before it plans as ever."""
-    graph_launch = GRAPH_LAUNCH if graph_launch is None else graph_launch
+    graph_launch (None: backends/device.GRAPH_LAUNCH): its runs after the first launch the kernels
+    as one CUDA graph (flash_api_sparse.h)."""
     planner = getattr(_cuda_module(), "SparseForward", None)
     if planner is None or extension_args["k_mask_source"] is not None:
         return None
     planned = {name: value for name, value in extension_args.items() if name not in ("k_mask_source", "v_mask_source")}
-    return planner(**dict(planned, q=q, k=k, v=v, out=out), **({"graph_launch": True} if graph_launch else {}))
+    return planner(**dict(planned, q=q, k=k, v=v, out=out), **graph_launch_option(graph_launch))
 
 
 def extension_args(op_args: dict) -> dict:

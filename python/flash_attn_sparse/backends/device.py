@@ -1,5 +1,6 @@
-"""What the backends share: the device's SM count (cached), the split limit, and the one-shot
-launcher's use of an extension's planned forward (fa2 and fa3 alike)."""
+"""What the backends share: the device's SM count (cached), the split limit, the one-shot
+launcher's use of an extension's planned forward and the planned forwards' graph launch (fa2
+and fa3 alike)."""
 
 import torch
 
@@ -23,3 +24,16 @@ def for_run_with(planned):
         return None
     planned.release_run_buffers()
     return planned
+
+
+# The extensions' SparseForward graph_launch (flash_api_sparse.cpp, FA-2 and FA-3): after its first
+# run a planned forward launches its kernels as one CUDA graph given each run's parameters instead
+# of one runtime launch per kernel. For plans and the one-shot launcher; an experiment of sessions
+# 25-26, off until measured (benchmarks/host_time.py turns it on for its fa2-graph and fa3-graph rows).
+GRAPH_LAUNCH = False
+
+
+def graph_launch_option(graph_launch=None) -> dict:
+    """SparseForward's keyword for graph_launch (None: GRAPH_LAUNCH), given only when true, so a
+    build before it plans as ever."""
+    return {"graph_launch": True} if (GRAPH_LAUNCH if graph_launch is None else graph_launch) else {}

@@ -16,7 +16,7 @@ import torch
 from torch import Tensor
 
 from . import fa3_ops
-from .device import for_run_with
+from .device import for_run_with, graph_launch_option
 
 
 def refusal(call) -> Optional[str]:
@@ -78,13 +78,14 @@ def launcher(call, splits: int, out: Optional[Tensor] = None, reuse_plan: bool =
     return launch
 
 
-def planned(call, splits: int, out: Tensor):
+def planned(call, splits: int, out: Tensor, graph_launch: Optional[bool] = None):
     """The extension's SparseForward for this call into `out`, made once (a plan's: run(q, k, v,
-    out) only launches), or None for a build without it."""
+    out) only launches), or None for a build without it. graph_launch (None:
+    device.GRAPH_LAUNCH): its runs after the first launch the kernels as one CUDA graph."""
     planner = fa3_ops.planner()
     if planner is None:
         return None
-    return planner(q=call.q, k=call.k, v=call.v, out=out, **_call_args(call, splits))
+    return planner(q=call.q, k=call.k, v=call.v, out=out, **_call_args(call, splits), **graph_launch_option(graph_launch))
 
 
 def run(call, splits: int, out: Optional[Tensor] = None) -> Tuple[Tensor, Tensor]:

@@ -22,8 +22,12 @@
 #include <array>
 #include <cmath>
 #include <limits>
+#include <memory>
+#include <utility>
+#include <vector>
 
 #include "flash.h"
+#include "kernel_launch_sink.h"
 
 // From flash_api.cpp.
 void set_params_fprop(Flash_fwd_params &params, const size_t b, const size_t seqlen_q, const size_t seqlen_k,
@@ -270,6 +274,12 @@ SparseLaunch prepare_sparse(
     return launch;
 }
 
+// The forward and, for a split call, the combine.
+void launch_kernels(Flash_fwd_params &params, cudaStream_t stream) {
+    run_sparse(params, stream);
+    if (params.num_splits > 1) { run_mha_fwd_combine(params, stream, false /*enable_pdl*/); }
+}
+
 // Runs a prepared forward into `out`, whose pointer and strides its parameters hold.
 void launch_sparse(SparseLaunch &launch, at::Tensor &out) {
     if (launch.no_queries) { return; }
@@ -282,11 +292,89 @@ void launch_sparse(SparseLaunch &launch, at::Tensor &out) {
     if (launch.params.tile_count_semaphore != nullptr) {
         C10_CUDA_CHECK(cudaMemsetAsync(launch.params.tile_count_semaphore, 0, sizeof(int), stream));
     }
-    run_sparse(launch.params, stream);
-    if (launch.params.num_splits > 1) {
-        run_mha_fwd_combine(launch.params, stream, false /*enable_pdl*/);
-    }
+    launch_kernels(launch.params, stream);
 }
+
+// SparseForward's graph_launch: the planned kernels (the forward and, for a split call, the
+// combine) captured once on a private stream. Each later run builds their arguments as a direct
+// run does (the launch templates: parameters, TMA descriptors), takes them as the launch sink
+// (kernel_launch_sink.h) onto the kernel nodes of the same function, and launches the graph once,
+// where a direct run pays the runtime's launch per kernel. Calls with the persistent scheduler's
+// tile counter launch directly (its memset would need each run_with's counter): those are the
+// unsplit prefill calls, whose kernels outlast their launches.
+class KernelGraph final : public flash::KernelLaunchSink {
+public:
+    explicit KernelGraph(Flash_fwd_params &params) {
+        cudaStream_t capture = nullptr;
+        C10_CUDA_CHECK(cudaStreamCreateWithFlags(&capture, cudaStreamNonBlocking));
+        C10_CUDA_CHECK(cudaStreamBeginCapture(capture, cudaStreamCaptureModeThreadLocal));
+        try {
+            launch_kernels(params, capture);
+        } catch (...) {
+            cudaGraph_t partial = nullptr;
+            cudaStreamEndCapture(capture, &partial);
+            if (partial != nullptr) { cudaGraphDestroy(partial); }
+            cudaStreamDestroy(capture);
+            throw;
+        }
+        cudaError_t const captured = cudaStreamEndCapture(capture, &graph_);
+        C10_CUDA_CHECK(cudaStreamDestroy(capture));
+        C10_CUDA_CHECK(captured);
+        size_t count = 0;
+        C10_CUDA_CHECK(cudaGraphGetNodes(graph_, nullptr, &count));
+        std::vector<cudaGraphNode_t> nodes(count);
+        C10_CUDA_CHECK(cudaGraphGetNodes(graph_, nodes.data(), &count));
+        for (cudaGraphNode_t node : nodes) {
+            cudaGraphNodeType type;
+            C10_CUDA_CHECK(cudaGraphNodeGetType(node, &type));
+            TORCH_CHECK(type == cudaGraphNodeTypeKernel, "SparseForward: its graph launch holds kernels only");
+            cudaKernelNodeParams kernel{};
+            C10_CUDA_CHECK(cudaGraphKernelNodeGetParams(node, &kernel));
+            kernels_.emplace_back(node, kernel);
+        }
+        C10_CUDA_CHECK(cudaGraphInstantiate(&exec_, graph_, 0));
+    }
+    KernelGraph(KernelGraph const &) = delete;
+    KernelGraph &operator=(KernelGraph const &) = delete;
+    ~KernelGraph() {
+        if (exec_ != nullptr) { cudaGraphExecDestroy(exec_); }
+        if (graph_ != nullptr) { cudaGraphDestroy(graph_); }
+    }
+
+    void launch(Flash_fwd_params &params, cudaStream_t stream) {
+        taken_ = 0;
+        {
+            SinkInstalled installed{this};
+            launch_kernels(params, stream);
+        }
+        TORCH_CHECK(taken_ == kernels_.size(), "SparseForward: its graph holds ", kernels_.size(), " kernels, the run built ",
+                    taken_);
+        C10_CUDA_CHECK(cudaGraphLaunch(exec_, stream));
+    }
+
+    void take(void const *kernel, void *argument) override {
+        for (auto &[node, params] : kernels_) {
+            if (params.func != kernel) { continue; }
+            params.kernelParams = &argument;  // copied by the call
+            params.extra = nullptr;
+            C10_CUDA_CHECK(cudaGraphExecKernelNodeSetParams(exec_, node, &params));
+            ++taken_;
+            return;
+        }
+        TORCH_CHECK(false, "SparseForward: a kernel its graph launch did not capture");
+    }
+
+private:
+    struct SinkInstalled {
+        explicit SinkInstalled(flash::KernelLaunchSink *sink) { flash::kernel_launch_sink = sink; }
+        ~SinkInstalled() { flash::kernel_launch_sink = nullptr; }
+    };
+
+    cudaGraph_t graph_ = nullptr;  // kept: its nodes name those of exec_
+    cudaGraphExec_t exec_ = nullptr;
+    std::vector<std::pair<cudaGraphNode_t, cudaKernelNodeParams>> kernels_;
+    size_t taken_ = 0;
+};
 
 }  // namespace
 
@@ -316,6 +404,8 @@ at::Tensor mha_fwd_sparse_into(
 // and takes its split partials (one allocation) and tile counter from the allocator per call
 // (stream-ordered, so any stream): the one-shot cache's launch, whose entry drops run's buffers
 // (release_run_buffers) to hold none.
+// With graph_launch, the runs after the first launch the kernels as one CUDA graph given each
+// run's arguments (KernelGraph), where the call's kernels allow it.
 class SparseForward {
 public:
     SparseForward(at::Tensor q, at::Tensor k, at::Tensor v, at::Tensor out, at::Tensor full_cnt, at::Tensor full_idx,
@@ -324,10 +414,10 @@ public:
                   c10::optional<at::Tensor> cu_seqlens_q, c10::optional<at::Tensor> cu_seqlens_k,
                   c10::optional<int64_t> max_seqlen_q, c10::optional<int64_t> max_seqlen_k, double softmax_scale,
                   int64_t block_size, int64_t q_block_size, bool causal, int64_t num_splits,
-                  c10::optional<bool> pack_gqa)
+                  c10::optional<bool> pack_gqa, bool graph_launch)
         : device_(q.device()), dtype_(q.scalar_type()), q_sizes_(q.sizes().vec()), q_strides_(q.strides().vec()),
           k_sizes_(k.sizes().vec()), k_strides_(k.strides().vec()), v_strides_(v.strides().vec()),
-          out_strides_(out.strides().vec()) {
+          out_strides_(out.strides().vec()), graph_launch_(graph_launch) {
         c10::cuda::CUDAGuard device_guard{q.device()};
         launch_ = prepare_sparse(q, k, v, out, full_cnt, full_idx, mask_cnt, mask_idx, cu_total_m_blocks,
                                  cu_block_idx_offsets, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
@@ -348,7 +438,7 @@ public:
         check_planned(q, k, v, out, "SparseForward.run");
         c10::cuda::CUDAGuard device_guard{device_};
         swap_qkv_out(launch_.params, q, k, v, out);
-        launch_sparse(launch_, out);
+        launch_planned(launch_, out);
         return launch_.softmax_lse;
     }
 
@@ -401,7 +491,7 @@ public:
             launch.tile_count_semaphore = at::empty({1}, q.options().dtype(at::kInt));
             params.tile_count_semaphore = launch.tile_count_semaphore.data_ptr<int>();
         }
-        launch_sparse(launch, out);
+        launch_planned(launch, out);
         keep_alive(lists);  // until the next run, as a plan keeps its own
         return launch.softmax_lse;
     }
@@ -418,6 +508,25 @@ public:
 
 private:
     using ListTensors = std::array<c10::optional<at::Tensor>, 8>;
+
+    // launch_sparse, or with graph_launch through the plan's KernelGraph: the first eager run
+    // launches directly (setting the kernels' attributes outside any capture) and then captures;
+    // a run on a stream being captured launches directly into the caller's graph.
+    void launch_planned(SparseLaunch &launch, at::Tensor &out) {
+        bool const graphable = graph_launch_ && !launch.no_queries && !launch.no_keys
+                               && launch.params.tile_count_semaphore == nullptr;
+        cudaStream_t const stream = c10::cuda::getCurrentCUDAStream().stream();
+        cudaStreamCaptureStatus capturing = cudaStreamCaptureStatusNone;
+        if (graphable) { C10_CUDA_CHECK(cudaStreamIsCapturing(stream, &capturing)); }
+        if (!graphable || capturing != cudaStreamCaptureStatusNone) {
+            launch_sparse(launch, out);
+        } else if (graph_ == nullptr) {
+            launch_sparse(launch, out);
+            graph_ = std::make_unique<KernelGraph>(launch.params);
+        } else {
+            graph_->launch(launch.params, stream);
+        }
+    }
     static constexpr std::array<char const *, 8> kListNames{"full_cnt", "full_idx", "mask_cnt", "mask_idx",
                                                            "cu_total_m_blocks", "cu_block_idx_offsets",
                                                            "cu_seqlens_q", "cu_seqlens_k"};
@@ -471,6 +580,8 @@ private:
     std::vector<int64_t> lse_sizes_;
     int64_t out_accum_numel_ = 0, lse_accum_numel_ = 0;
     bool released_ = false;
+    bool graph_launch_;
+    std::unique_ptr<KernelGraph> graph_;  // made by the first eager run with graph_launch
     std::array<Layout, 8> list_layouts_;
     std::vector<at::Tensor> lists_;
 };
@@ -555,17 +666,18 @@ int flash_sparse_add_python_api(PyObject *module) {
     try {
         auto m = py::reinterpret_borrow<py::module_>(module);
         py::class_<SparseForward>(m, "SparseForward",
-                                  "A sparse forward planned once (fwd_out's arguments, by name); run(q, k, v, out) launches it")
+                                  "A sparse forward planned once (fwd_out's arguments, by name); run(q, k, v, out) launches it; "
+                                  "graph_launch: later runs launch its kernels as one CUDA graph")
             .def(py::init<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor,
                           c10::optional<at::Tensor>, c10::optional<at::Tensor>, c10::optional<at::Tensor>,
                           c10::optional<at::Tensor>, c10::optional<at::Tensor>, c10::optional<at::Tensor>,
                           c10::optional<int64_t>, c10::optional<int64_t>, double, int64_t, int64_t, bool, int64_t,
-                          c10::optional<bool>>(),
+                          c10::optional<bool>, bool>(),
                  py::arg("q"), py::arg("k"), py::arg("v"), py::arg("out"), py::arg("full_cnt"), py::arg("full_idx"),
                  py::arg("mask_cnt"), py::arg("mask_idx"), py::arg("cu_total_m_blocks"), py::arg("cu_block_idx_offsets"),
                  py::arg("cu_seqlens_q"), py::arg("cu_seqlens_k"), py::arg("max_seqlen_q"), py::arg("max_seqlen_k"),
                  py::kw_only(), py::arg("softmax_scale"), py::arg("block_size"), py::arg("q_block_size"),
-                 py::arg("causal"), py::arg("num_splits"), py::arg("pack_gqa"))
+                 py::arg("causal"), py::arg("num_splits"), py::arg("pack_gqa"), py::arg("graph_launch") = false)
             .def("run", &SparseForward::run, "Launch over q, k, v into out; returns the plan's LSE",
                  py::arg("q"), py::arg("k"), py::arg("v"), py::arg("out"))
             .def("run_with", &SparseForward::run_with,
