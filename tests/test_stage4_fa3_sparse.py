@@ -404,7 +404,7 @@ def test_fa3_graph_launch_runs_bitwise_like_direct_launches(num_splits, causal):
     def lists():  # one capacity, so run_with takes the second set; causal: the tail block 46 is the diagonal
         rows = [[[[b for b in gapped_permuted(rng, 47, 0.5, must=[46]) if not (causal and b == 46)]]
                  for _ in range(2)] for _ in range(2)]
-        mask = pack_rows([[[[46]] for _ in range(2)] for _ in range(2)], 1) if causal else (None, None)
+        mask = pack_rows([[[[46]] for _ in range(2)] for _ in range(2)], 47) if causal else (None, None)
         return SparseBlocks(*pack_rows(rows, 47), *mask, block_size=BLOCK, q_block_size=128)
     blocks, other = lists(), lists()
     plan = fas.plan(q, k, v, blocks, backend="fa3", causal=causal, num_splits=num_splits)
