@@ -1,8 +1,9 @@
 """Where a call's host time goes, at the decode shapes of DESIGN §7 (1/16, per-K/V-head lists).
 
-For each backend present (fa2, fa3; fa2-graph and fa3-graph, the same with their planned kernels
-launched as one CUDA graph per run (backends/device.GRAPH_LAUNCH); fa4, and auto: where its eager
-runs go, routing.eager_choice) and each
+For each backend present (fa2, fa3: their planned kernels launched as one CUDA graph per run,
+backends/device.GRAPH_LAUNCH, the default; fa2-direct and fa3-direct, the same with that switch off,
+each kernel launched by the runtime; fa4, and auto: where its eager runs go,
+routing.eager_choice) and each
 shape it times, in one process (every figure the median of --passes whole passes over the rows, 3
 by default, with the one-shot's range across them):
 - `after sync`: median over 200 calls of one call started on an idle GPU, plan.run, the one-shot
@@ -18,8 +19,8 @@ by default, with the one-shot's range across them):
   cache's key, the plan's Python checks, and for scale a lone device copy and an empty Python call;
 - the host time of one plan.run captured as a CUDA graph and replayed (`graph of one run`): what
   a run would cost as a single graph launch; on fa2 and fa3, `SparseForward.run (graph launch)`:
-  the same plan launching its kernels as one graph given each run's parameters (graph_launch),
-  beside its direct `SparseForward.run`;
+  a SparseForward of the plan's launching its kernels as one graph given each run's parameters
+  (graph_launch), beside the plan's own `SparseForward.run` (direct in the direct rows);
 - the CUDA runtime calls inside 100 plan.run calls (torch.profiler's CPU-side events: count and
   mean us each), which says which driver calls a launch pays.
 
@@ -160,17 +161,6 @@ def graph_launched(make, q, k, v, out) -> list:
     return [("SparseForward.run (graph launch)", lambda: graphed.run(q, k, v, out))]
 
 
-def graph_launch_built(backend: str) -> bool:
-    """Whether the backend's extension's SparseForward takes graph_launch (its pybind11 signature says)."""
-    if backend == "fa2":
-        from flash_attn_sparse import ops
-        planner = getattr(ops._cuda_module(), "SparseForward", None)
-    else:
-        from flash_attn_sparse.backends import fa3_ops
-        planner = fa3_ops.planner()
-    return "graph_launch" in (getattr(planner, "__init__", None).__doc__ or "")
-
-
 def one_run_graph(run) -> list:
     """[("graph of one run", replay)]: one plan.run captured as a CUDA graph and replayed, the host
     time a run would cost as one graph launch (what a SparseForward owning a graph of its launches
@@ -186,25 +176,23 @@ def one_run_graph(run) -> list:
     return [("graph of one run", graph.replay)]
 
 
-GRAPH_ROWS = {"fa2-graph": "fa2", "fa3-graph": "fa3"}  # the rows with graph_launch on, and their backends
+DIRECT_ROWS = {"fa2-direct": "fa2", "fa3-direct": "fa3"}  # the rows with graph_launch off, and their backends
 
 
 def measure(shape, backend):
-    """One row; backend "fa2-graph" / "fa3-graph": fa2 / fa3 with device.GRAPH_LAUNCH on (plans and
-    the one-shot cache's entries launch their kernels as one CUDA graph), beside the plain row of
-    the same pass."""
-    if backend in GRAPH_ROWS:
+    """One row; backend "fa2-direct" / "fa3-direct": fa2 / fa3 with device.GRAPH_LAUNCH off (plans
+    and the one-shot cache's entries launch each kernel through the runtime), beside the default
+    row of the same pass."""
+    if backend in DIRECT_ROWS:
         from flash_attn_sparse import interface
         from flash_attn_sparse.backends import device
-        plain = GRAPH_ROWS[backend]
-        if plain not in BACKENDS or not graph_launch_built(plain):
-            return {"shape": shape.name, "backend": backend, "note": "refused: this build has no graph_launch"}
-        device.GRAPH_LAUNCH = True
-        interface._decisions.clear()  # the one-shot cache's entries, planned anew with graph_launch
+        default = device.GRAPH_LAUNCH
+        device.GRAPH_LAUNCH = False
+        interface._decisions.clear()  # the one-shot cache's entries, planned anew without graph_launch
         try:
-            row = measure(shape, plain)
+            row = measure(shape, DIRECT_ROWS[backend])
         finally:
-            device.GRAPH_LAUNCH = False
+            device.GRAPH_LAUNCH = default
             interface._decisions.clear()
         return dict(row, backend=backend)
     import random
@@ -287,7 +275,7 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path)
     parser.add_argument("--shapes", default="B8 Sq16,B8 Sq1,B1 Sq1", help="comma-separated substrings of the decode shapes")
-    parser.add_argument("--backends", default="fa2,fa2-graph,fa3,fa3-graph,fa4,auto")
+    parser.add_argument("--backends", default="fa2,fa2-direct,fa3,fa3-direct,fa4,auto")
     parser.add_argument("--passes", type=int, default=3, help="whole passes over the rows; each figure their median")
     args = parser.parse_args()
     shapes = [s for s in DECODE if abs(s.density - 1 / 16) < 1e-9 and any(p in s.name for p in args.shapes.split(","))]
@@ -305,7 +293,7 @@ def main():
     for _ in range(args.passes):
         for shape in shapes:
             for backend in args.backends.split(","):
-                if backend != "auto" and backend not in GRAPH_ROWS and backend not in BACKENDS:
+                if backend != "auto" and DIRECT_ROWS.get(backend, backend) not in BACKENDS:
                     continue
                 row = measure(shape, backend)
                 passes.setdefault((shape.name, backend), []).append(row)

@@ -1,5 +1,5 @@
 """benchmarks/host_time.py's table on the CPU: passes merge into medians with the one-shot's range,
-refused rows pass through, and the fa2-graph and fa3-graph rows switch device.GRAPH_LAUNCH on for
+refused rows pass through, and the fa2-direct and fa3-direct rows switch device.GRAPH_LAUNCH off for
 their own measurement only (the GPU parts are faked)."""
 
 import sys
@@ -26,31 +26,26 @@ def test_passes_merge_into_medians_with_the_one_shot_range():
     assert merged["plan_run_back_to_back_us"] == 13.0 and merged["one_shot_back_to_back_us"] == 40.0
     assert merged["launches"][0]["back_to_back_us"] == 12.0 and merged["passes"] == 3
     assert merged["one_shot_back_to_back_range_us"] == (36.0, 52.0)
-    refused = {"shape": "decode B1", "backend": "fa2-graph", "note": "refused: this build has no graph_launch"}
+    refused = {"shape": "decode B1", "backend": "fa4", "note": "refused: flash-attn-4 is not importable"}
     table = host_time.markdown([merged, host_time.median_of_passes([refused])], (6.0, 5.9), 0.03)
-    assert "medians of 3 passes" in table and "40.0 (36.0-52.0)" in table and "refused: this build" in table
+    assert "medians of 3 passes" in table and "40.0 (36.0-52.0)" in table and "refused: flash-attn-4" in table
 
 
-@pytest.mark.parametrize("built", [True, False])
-@pytest.mark.parametrize("graph_row, plain", [("fa2-graph", "fa2"), ("fa3-graph", "fa3")])
-def test_a_graph_row_turns_graph_launch_on_for_itself_only(monkeypatch, built, graph_row, plain):
+@pytest.mark.parametrize("direct_row, plain", [("fa2-direct", "fa2"), ("fa3-direct", "fa3")])
+def test_a_direct_row_turns_graph_launch_off_for_itself_only(monkeypatch, direct_row, plain):
     seen = []
     real_measure = host_time.measure
 
     def fake_measure(shape, backend):
-        if backend == graph_row:
+        if backend == direct_row:
             return real_measure(shape, backend)
         seen.append((backend, device.GRAPH_LAUNCH))
         return row(10.0, 30.0, 8.0)
 
     monkeypatch.setattr(host_time, "measure", fake_measure)
-    monkeypatch.setattr(host_time, "graph_launch_built", lambda backend: built and backend == plain)
     interface._decisions[("stale",)] = None
     shape = type("Shape", (), {"name": "decode B1"})()
-    result = host_time.measure(shape, graph_row)
-    assert device.GRAPH_LAUNCH is False
-    if built:  # the one-shot cache emptied before and after: its entries planned with graph_launch
-        assert seen == [(plain, True)] and result["backend"] == graph_row and not interface._decisions
-    else:
-        assert seen == [] and result["note"].startswith("refused")
-    interface._decisions.clear()
+    result = host_time.measure(shape, direct_row)
+    # The one-shot cache emptied before and after: its entries planned without graph_launch.
+    assert seen == [(plain, False)] and result["backend"] == direct_row and not interface._decisions
+    assert device.GRAPH_LAUNCH is True

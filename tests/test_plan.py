@@ -329,24 +329,35 @@ def test_a_fa2_plan_runs_the_extensions_planned_forward(fake_gpu, monkeypatch):
 
 
 def test_planned_forward_asks_for_a_graph_launch_by_name_only_when_wanted(monkeypatch):
-    """A build before graph_launch plans as ever: the keyword is passed only when true (by default
-    when backends/device.GRAPH_LAUNCH is, the switch benchmarks/host_time.py's graph rows turn on)."""
+    """graph_launch is passed by name only when true: asked for, or by default (device.GRAPH_LAUNCH,
+    on) where the build's SparseForward names it in its signature; a build before it plans as ever.
+    benchmarks/host_time.py's direct rows turn the switch off."""
     made = []
-    monkeypatch.setattr(ops, "_cuda_module", lambda: type("Extension", (), {"SparseForward": lambda **kw: made.append(kw)}))
+
+    class Planner:  # a pybind11 class's __init__ doc names its arguments
+        def __init__(self, **kwargs):
+            """__init__(self, q, k, v, out, ..., graph_launch: bool = False)"""
+            made.append(kwargs)
+
+    monkeypatch.setattr(ops, "_cuda_module", lambda: type("Extension", (), {"SparseForward": Planner}))
     args = {"k_mask_source": None, "v_mask_source": None, "num_splits": 2}
     PLANNED_FORWARD(args, "q", "k", "v", "out")
-    PLANNED_FORWARD(args, "q", "k", "v", "out", graph_launch=True)
-    assert "graph_launch" not in made[0] and made[1]["graph_launch"] is True
-    assert made[0]["num_splits"] == made[1]["num_splits"] == 2 and "k_mask_source" not in made[1]
-    monkeypatch.setattr(device, "GRAPH_LAUNCH", True)  # plans and the one-shot launcher ask by default then
-    PLANNED_FORWARD(args, "q", "k", "v", "out")
     PLANNED_FORWARD(args, "q", "k", "v", "out", graph_launch=False)
-    assert made[2]["graph_launch"] is True and "graph_launch" not in made[3]
+    assert made[0]["graph_launch"] is True and "graph_launch" not in made[1]
+    assert made[0]["num_splits"] == made[1]["num_splits"] == 2 and "k_mask_source" not in made[0]
+    monkeypatch.setattr(device, "GRAPH_LAUNCH", False)
+    PLANNED_FORWARD(args, "q", "k", "v", "out")
+    PLANNED_FORWARD(args, "q", "k", "v", "out", graph_launch=True)
+    assert "graph_launch" not in made[2] and made[3]["graph_launch"] is True
+    monkeypatch.setattr(device, "GRAPH_LAUNCH", True)
+    Planner.__init__.__doc__ = "__init__(self, q, k, v, out, ...)"  # a build before graph_launch
+    PLANNED_FORWARD(args, "q", "k", "v", "out")
+    assert "graph_launch" not in made[4]
 
 
 def test_a_fa3_plan_runs_the_extensions_planned_forward(fake_gpu, monkeypatch):
     """On fa3 a plan makes the op's SparseForward once with every argument by name (fwd_out's;
-    graph_launch only when device.GRAPH_LAUNCH is on) and each run passes only q, k, v and out;
+    graph_launch where the build takes it) and each run passes only q, k, v and out;
     an out of other strides goes through the extension's
     fwd_into (fwd_out's arguments by name) instead,
     and tensors the planned forward refuses are named by the plan's own check."""
@@ -388,10 +399,10 @@ def test_a_fa3_plan_runs_the_extensions_planned_forward(fake_gpu, monkeypatch):
     assert result is strided and outs == [strided] and len(runs) == 1
     with pytest.raises(SparseInputError, match="^v: the plan was made for shape"):
         plan.run(q2, k2, v2[:, :7])
-    assert "graph_launch" not in args
-    monkeypatch.setattr(device, "GRAPH_LAUNCH", True)  # the switch asks FA-3's SparseForward too
+    assert "graph_launch" not in args  # this fake's signature does not name it: a build before it
+    FakeSparseForward.__init__.__doc__ = "__init__(self, q, ..., graph_launch: bool = False)"
     fas.SparsePlan(q, k, v, torch.tensor([0, 3], dtype=torch.int32), block_size=128, backend="fa3", num_splits=2)
-    assert made[-1]["graph_launch"] is True
+    assert made[-1]["graph_launch"] is True  # device.GRAPH_LAUNCH asks FA-3's SparseForward too
 
 
 @pytest.mark.parametrize("with_run_with", [True, False])

@@ -82,7 +82,7 @@ def planned_forward(extension_args: dict, q: Tensor, k: Tensor, v: Tensor, out: 
     if planner is None or extension_args["k_mask_source"] is not None:
         return None
     planned = {name: value for name, value in extension_args.items() if name not in ("k_mask_source", "v_mask_source")}
-    return planner(**dict(planned, q=q, k=k, v=v, out=out), **graph_launch_option(graph_launch))
+    return planner(**dict(planned, q=q, k=k, v=v, out=out), **graph_launch_option(planner, graph_launch))
 
 
 def extension_args(op_args: dict) -> dict:

@@ -28,12 +28,16 @@ def for_run_with(planned):
 
 # The extensions' SparseForward graph_launch (flash_api_sparse.cpp, FA-2 and FA-3): after its first
 # run a planned forward launches its kernels as one CUDA graph given each run's parameters instead
-# of one runtime launch per kernel. For plans and the one-shot launcher; an experiment of sessions
-# 25-26, off until measured (benchmarks/host_time.py turns it on for its fa2-graph and fa3-graph rows).
-GRAPH_LAUNCH = False
+# of one runtime launch per kernel, for plans and the one-shot launcher. Run 131 (session 26, same
+# run): a split call's plan.run 11.7-13.6 -> 6.2-9.7 us, one-shot 34-37 -> 28-33 us.
+# benchmarks/host_time.py turns it off for its fa2-direct and fa3-direct rows.
+GRAPH_LAUNCH = True
 
 
-def graph_launch_option(graph_launch=None) -> dict:
-    """SparseForward's keyword for graph_launch (None: GRAPH_LAUNCH), given only when true, so a
-    build before it plans as ever."""
-    return {"graph_launch": True} if (GRAPH_LAUNCH if graph_launch is None else graph_launch) else {}
+def graph_launch_option(planner, graph_launch=None) -> dict:
+    """SparseForward's keyword for graph_launch, asked for by name when graph_launch is true, or
+    when it is None, GRAPH_LAUNCH is on and this build's planner takes it (its pybind11 signature
+    says so: a build before graph_launch plans as ever)."""
+    if graph_launch is None:
+        graph_launch = GRAPH_LAUNCH and "graph_launch" in (getattr(planner.__init__, "__doc__", None) or "")
+    return {"graph_launch": True} if graph_launch else {}

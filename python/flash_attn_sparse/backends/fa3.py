@@ -85,7 +85,8 @@ def planned(call, splits: int, out: Tensor, graph_launch: Optional[bool] = None)
     planner = fa3_ops.planner()
     if planner is None:
         return None
-    return planner(q=call.q, k=call.k, v=call.v, out=out, **_call_args(call, splits), **graph_launch_option(graph_launch))
+    return planner(q=call.q, k=call.k, v=call.v, out=out, **_call_args(call, splits),
+                   **graph_launch_option(planner, graph_launch))
 
 
 def run(call, splits: int, out: Optional[Tensor] = None) -> Tuple[Tensor, Tensor]:
