@@ -10,6 +10,10 @@ per-instruction stalls compare tile for tile (issue 26: prefill 0.972x the 128-k
 decode every block 1.07-1.09x dense FA-3, run 117).
 
     python benchmarks/profile_fa3.py [--shape "prefill B1 S16k H32 full"] [--density 0.0625]
+
+The step's fa3-prefill-sass.csv.gz (or fa3-decode-) then reads on any machine with
+`python benchmarks/ncu_sass_compare.py fa3-prefill-sass.csv.gz` (the sparse kernel against the
+mean of the dense ones: stall reasons, opcode mix, most stalled instructions).
 """
 
 import argparse
