@@ -233,9 +233,11 @@ def test_real_flash_attn_sdist_unpacks_and_its_version_is_checked(tmp_path: Path
 
 
 @pytest.mark.skipif(not REAL_SDIST.exists(), reason=f"{REAL_SDIST} absent (run `nox -s upstream`)")
-@pytest.mark.parametrize("mutation", sorted((REPO / "tests" / "mutations").glob("*.patch")), ids=lambda p: p.name)
+@pytest.mark.parametrize("mutation", sorted((REPO / "tests" / "mutations").glob("*.patch"))
+                         + sorted((REPO / "benchmarks" / "experiments").glob("*.diff")), ids=lambda p: p.name)
 def test_mutations_apply_to_the_patched_tree(mutation: Path, tmp_path: Path):
-    """A mutation whose context drifted from the kernel would fail the GPU session's mutant build;
+    """A mutation (or an experiment of benchmarks/experiments/, built the same way by the runner's
+    fa3-variants step) whose context drifted from the kernel would fail the GPU session's build;
     here it fails on CPU first. A hopper/ one goes to the FA-3 tree, as build --mutation lays it."""
     layout = Layout.at(REPO).with_trees(tmp_path / "trees")  # its cache holds REAL_SDIST
     name = build_fa3.UPSTREAM if build_fa3.is_mutation_of_fa3(mutation) else "flash-attn"
