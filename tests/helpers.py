@@ -105,3 +105,18 @@ def one_shot_calls_on_two_streams(run, first, second, third):
     torch.cuda.synchronize()
     assert torch.equal(out1, kept[0]) and torch.equal(lse1, kept[1]) and lse1.data_ptr() != lse2.data_ptr()
     return [(first, out1, lse1), (second, out2, lse2), (third, out3, lse3)]
+
+
+def assert_captured_run_equals_direct(graphed, direct, q, k, v):
+    """A graph-launching SparseForward's run recorded into the caller's CUDA graph (it launches
+    directly while the stream is capturing) and replayed equals a direct one's run bitwise."""
+    captured_out = torch.empty_like(q)
+    torch.cuda.synchronize()
+    cuda_graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(cuda_graph):
+        captured_lse = graphed.run(q, k, v, captured_out)
+    captured_out.zero_()
+    cuda_graph.replay()
+    reference_out = torch.empty_like(q)
+    reference_lse = direct.run(q, k, v, reference_out)
+    assert torch.equal(captured_out, reference_out) and torch.equal(captured_lse, reference_lse)

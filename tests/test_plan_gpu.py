@@ -14,7 +14,7 @@ from flash_attn_sparse import SparseBlocks
 from flash_attn_sparse.backends import fa4
 from flash_attn_sparse.metadata import pack_varlen_lists
 from flash_attn_sparse.reference import block_positions
-from helpers import assert_close_to_reference, one_shot_calls_on_two_streams, random_qkv
+from helpers import assert_captured_run_equals_direct, assert_close_to_reference, one_shot_calls_on_two_streams, random_qkv
 
 pytestmark = pytest.mark.gpu
 
@@ -275,12 +275,4 @@ def test_fa2_graph_launch_runs_bitwise_like_direct_launches(num_splits):
             row = other.full_idx[b, h // (H // HK), 0, :int(other.full_cnt[b, h // (H // HK), 0])].tolist()
             visible[b, h, :, block_positions(row, BS, SK).cuda()] = True
     assert_close_to_reference(out_graph, lse_graph, q_i, k_i, v_i, visible)
-    captured_out = torch.empty_like(q)
-    cuda_graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(cuda_graph):
-        captured_lse = graphed.run(q, k, v, captured_out)
-    captured_out.zero_()
-    cuda_graph.replay()
-    reference_out = torch.empty_like(q)
-    reference_lse = direct.run(q, k, v, reference_out)
-    assert torch.equal(captured_out, reference_out) and torch.equal(captured_lse, reference_lse)
+    assert_captured_run_equals_direct(graphed, direct, q, k, v)

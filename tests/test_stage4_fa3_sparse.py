@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from contract import BLOCK, causal_split_rows, check_batched, gapped_permuted, make_qkv, pack_rows, varlen_inputs
-from helpers import one_shot_calls_on_two_streams, poison_allocator, random_qkv
+from helpers import assert_captured_run_equals_direct, one_shot_calls_on_two_streams, poison_allocator, random_qkv
 
 
 def _load_op():
@@ -428,13 +428,4 @@ def test_fa3_graph_launch_runs_bitwise_like_direct_launches(num_splits, causal):
         assert torch.equal(out_graph, out_direct) and torch.equal(lse_graph, lse_direct)
     want = fas.flash_attn_with_sparse_block_table(q_i, k_i, v_i, other, backend="fa3", causal=causal, num_splits=num_splits)
     assert torch.equal(out_graph, want[0]) and torch.equal(lse_graph, want[1])
-    captured_out = torch.empty_like(q)
-    torch.cuda.synchronize()
-    cuda_graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(cuda_graph):
-        captured_lse = graphed.run(q, k, v, captured_out)
-    captured_out.zero_()
-    cuda_graph.replay()
-    reference_out = torch.empty_like(q)
-    reference_lse = direct.run(q, k, v, reference_out)
-    assert torch.equal(captured_out, reference_out) and torch.equal(captured_lse, reference_lse)
+    assert_captured_run_equals_direct(graphed, direct, q, k, v)

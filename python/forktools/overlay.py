@@ -1,7 +1,8 @@
 """New files laid into the applied trees instead of being carried in patches.
 
-patches/overlay/<upstream>/<path> goes to <path> in that upstream's tree, and this fork's own
-Python package goes into the flash-attn tree. In a git tree each is a symlink to the repo file
+patches/overlay/<upstream>/<path> goes to <path> in that upstream's tree; this fork's own
+Python package goes into the flash-attn tree, and patches/overlay/shared/ files into each tree
+that uses them (FROM_REPO). In a git tree each is a symlink to the repo file
 (editing it in the tree edits the repo) and excluded from git, so export never sees it; in a
 tree built without git they are copies.
 """
@@ -16,8 +17,11 @@ from pathlib import Path
 from forktools import ToolError
 from forktools.layout import Layout
 
-# Upstream name → {path in its tree: repo directory laid there whole}.
-PACKAGES = {"flash-attn": {"flash_attn_sparse": "python/flash_attn_sparse"}}
+# Upstream name → {path in its tree: repo file or directory laid there whole}.
+_GRAPH = "patches/overlay/shared/planned_kernel_graph.h"  # both extensions' planned forwards
+FROM_REPO = {"flash-attn": {"flash_attn_sparse": "python/flash_attn_sparse",
+                            "csrc/flash_attn/planned_kernel_graph.h": _GRAPH},
+             "flash-attn-3": {"hopper/planned_kernel_graph.h": _GRAPH}}
 
 
 def sources(layout: Layout, name: str) -> dict[str, Path]:
@@ -28,8 +32,8 @@ def sources(layout: Layout, name: str) -> dict[str, Path]:
         for path in sorted(base.rglob("*")):
             if path.is_file() and "__pycache__" not in path.parts:
                 found[path.relative_to(base).as_posix()] = path
-    for in_tree, in_repo in PACKAGES.get(name, {}).items():
-        if (layout.root / in_repo).is_dir():
+    for in_tree, in_repo in FROM_REPO.get(name, {}).items():
+        if (layout.root / in_repo).exists():
             found[in_tree] = layout.root / in_repo
     return found
 

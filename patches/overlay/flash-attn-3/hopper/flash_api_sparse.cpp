@@ -28,6 +28,7 @@
 
 #include "flash.h"
 #include "kernel_launch_sink.h"
+#include "planned_kernel_graph.h"
 
 // From flash_api.cpp.
 void set_params_fprop(Flash_fwd_params &params, const size_t b, const size_t seqlen_q, const size_t seqlen_k,
@@ -296,7 +297,7 @@ void launch_sparse(SparseLaunch &launch, at::Tensor &out) {
 }
 
 // SparseForward's graph_launch: the planned kernels (the forward and, for a split call, the
-// combine) captured once on a private stream. Each later run builds their arguments as a direct
+// combine) captured once (planned_kernel_graph.h). Each later run builds their arguments as a direct
 // run does (the launch templates: parameters, TMA descriptors), takes them as the launch sink
 // (kernel_launch_sink.h) onto the kernel nodes of the same function, and launches the graph once,
 // where a direct run pays the runtime's launch per kernel. Calls with the persistent scheduler's
@@ -304,42 +305,8 @@ void launch_sparse(SparseLaunch &launch, at::Tensor &out) {
 // unsplit prefill calls, whose kernels outlast their launches.
 class KernelGraph final : public flash::KernelLaunchSink {
 public:
-    explicit KernelGraph(Flash_fwd_params &params) {
-        cudaStream_t capture = nullptr;
-        C10_CUDA_CHECK(cudaStreamCreateWithFlags(&capture, cudaStreamNonBlocking));
-        C10_CUDA_CHECK(cudaStreamBeginCapture(capture, cudaStreamCaptureModeThreadLocal));
-        try {
-            launch_kernels(params, capture);
-        } catch (...) {
-            cudaGraph_t partial = nullptr;
-            cudaStreamEndCapture(capture, &partial);
-            if (partial != nullptr) { cudaGraphDestroy(partial); }
-            cudaStreamDestroy(capture);
-            throw;
-        }
-        cudaError_t const captured = cudaStreamEndCapture(capture, &graph_);
-        C10_CUDA_CHECK(cudaStreamDestroy(capture));
-        C10_CUDA_CHECK(captured);
-        size_t count = 0;
-        C10_CUDA_CHECK(cudaGraphGetNodes(graph_, nullptr, &count));
-        std::vector<cudaGraphNode_t> nodes(count);
-        C10_CUDA_CHECK(cudaGraphGetNodes(graph_, nodes.data(), &count));
-        for (cudaGraphNode_t node : nodes) {
-            cudaGraphNodeType type;
-            C10_CUDA_CHECK(cudaGraphNodeGetType(node, &type));
-            TORCH_CHECK(type == cudaGraphNodeTypeKernel, "SparseForward: its graph launch holds kernels only");
-            cudaKernelNodeParams kernel{};
-            C10_CUDA_CHECK(cudaGraphKernelNodeGetParams(node, &kernel));
-            kernels_.emplace_back(node, kernel);
-        }
-        C10_CUDA_CHECK(cudaGraphInstantiate(&exec_, graph_, 0));
-    }
-    KernelGraph(KernelGraph const &) = delete;
-    KernelGraph &operator=(KernelGraph const &) = delete;
-    ~KernelGraph() {
-        if (exec_ != nullptr) { cudaGraphExecDestroy(exec_); }
-        if (graph_ != nullptr) { cudaGraphDestroy(graph_); }
-    }
+    explicit KernelGraph(Flash_fwd_params &params)
+        : graph_([&](cudaStream_t capture) { launch_kernels(params, capture); }) {}
 
     void launch(Flash_fwd_params &params, cudaStream_t stream) {
         taken_ = 0;
@@ -347,21 +314,15 @@ public:
             SinkInstalled installed{this};
             launch_kernels(params, stream);
         }
-        TORCH_CHECK(taken_ == kernels_.size(), "SparseForward: its graph holds ", kernels_.size(), " kernels, the run built ",
-                    taken_);
-        C10_CUDA_CHECK(cudaGraphLaunch(exec_, stream));
+        TORCH_CHECK(taken_ == graph_.num_kernels(), "SparseForward: its graph holds ", graph_.num_kernels(),
+                    " kernels, the run built ", taken_);
+        graph_.launch(stream);
     }
 
     void take(void const *kernel, void *argument) override {
-        for (auto &[node, params] : kernels_) {
-            if (params.func != kernel) { continue; }
-            params.kernelParams = &argument;  // copied by the call
-            params.extra = nullptr;
-            C10_CUDA_CHECK(cudaGraphExecKernelNodeSetParams(exec_, node, &params));
-            ++taken_;
-            return;
-        }
-        TORCH_CHECK(false, "SparseForward: a kernel its graph launch did not capture");
+        size_t const set = graph_.set_argument(kernel, argument);
+        TORCH_CHECK(set > 0, "SparseForward: a kernel its graph launch did not capture");
+        taken_ += set;
     }
 
 private:
@@ -370,9 +331,7 @@ private:
         ~SinkInstalled() { flash::kernel_launch_sink = nullptr; }
     };
 
-    cudaGraph_t graph_ = nullptr;  // kept: its nodes name those of exec_
-    cudaGraphExec_t exec_ = nullptr;
-    std::vector<std::pair<cudaGraphNode_t, cudaKernelNodeParams>> kernels_;
+    PlannedKernelGraph graph_;
     size_t taken_ = 0;
 };
 

@@ -21,6 +21,7 @@
 #include "flash.h"
 #include "flash_sparse.h"
 #include "flash_api_sparse.h"
+#include "planned_kernel_graph.h"
 #include "static_switch.h"
 
 #define CHECK_DEVICE(x) TORCH_CHECK(x.is_cuda(), #x " must be on CUDA")
@@ -385,67 +386,6 @@ static void launch_sparse(SparseLaunch &launch) {
     launch_kernels(launch, at::cuda::getCurrentCUDAStream().stream());
 }
 
-// SparseForward's graph_launch: the planned kernels (the forward and, for a split call, the
-// combine) captured once on a private stream; each run gives every kernel node its one argument,
-// that run's parameters, and launches the graph once, where a direct run pays the runtime's
-// launch per kernel (5-17 us each on the lent H200's host, runs 127-129; the B1 Sq1 128k kernel
-// itself takes 12-15 us). The kernels' grids and flags are the plan's, fixed per SparseForward.
-class KernelGraph {
-  public:
-    explicit KernelGraph(SparseLaunch &launch) {
-        cudaStream_t capture = nullptr;
-        C10_CUDA_CHECK(cudaStreamCreateWithFlags(&capture, cudaStreamNonBlocking));
-        C10_CUDA_CHECK(cudaStreamBeginCapture(capture, cudaStreamCaptureModeThreadLocal));
-        try {
-            launch_kernels(launch, capture);
-        } catch (...) {
-            cudaGraph_t partial = nullptr;
-            cudaStreamEndCapture(capture, &partial);
-            if (partial != nullptr) { cudaGraphDestroy(partial); }
-            cudaStreamDestroy(capture);
-            throw;
-        }
-        const cudaError_t captured = cudaStreamEndCapture(capture, &graph_);
-        C10_CUDA_CHECK(cudaStreamDestroy(capture));
-        C10_CUDA_CHECK(captured);
-        size_t count = 0;
-        C10_CUDA_CHECK(cudaGraphGetNodes(graph_, nullptr, &count));
-        std::vector<cudaGraphNode_t> nodes(count);
-        C10_CUDA_CHECK(cudaGraphGetNodes(graph_, nodes.data(), &count));
-        for (cudaGraphNode_t node : nodes) {
-            cudaGraphNodeType type;
-            C10_CUDA_CHECK(cudaGraphNodeGetType(node, &type));
-            TORCH_CHECK(type == cudaGraphNodeTypeKernel, "SparseForward: its graph launch holds kernels only");
-            cudaKernelNodeParams kernel{};
-            C10_CUDA_CHECK(cudaGraphKernelNodeGetParams(node, &kernel));
-            kernels_.emplace_back(node, kernel);
-        }
-        C10_CUDA_CHECK(cudaGraphInstantiate(&exec_, graph_, 0));
-    }
-    KernelGraph(const KernelGraph &) = delete;
-    KernelGraph &operator=(const KernelGraph &) = delete;
-    ~KernelGraph() {
-        if (exec_ != nullptr) { cudaGraphExecDestroy(exec_); }
-        if (graph_ != nullptr) { cudaGraphDestroy(graph_); }
-    }
-
-    // Every kernel takes one argument, the parameters (by value: copied when set).
-    void launch(const Flash_fwd_params &params, cudaStream_t stream) {
-        void *argument = const_cast<Flash_fwd_params *>(&params);
-        for (auto &[node, kernel] : kernels_) {
-            kernel.kernelParams = &argument;
-            kernel.extra = nullptr;
-            C10_CUDA_CHECK(cudaGraphExecKernelNodeSetParams(exec_, node, &kernel));
-        }
-        C10_CUDA_CHECK(cudaGraphLaunch(exec_, stream));
-    }
-
-  private:
-    cudaGraph_t graph_ = nullptr;  // kept: its nodes name those of exec_
-    cudaGraphExec_t exec_ = nullptr;
-    std::vector<std::pair<cudaGraphNode_t, cudaKernelNodeParams>> kernels_;
-};
-
 std::vector<at::Tensor> mha_fwd_sparse(
     const at::Tensor &q, const at::Tensor &k, const at::Tensor &v,
     std::optional<at::Tensor> out_,
@@ -501,7 +441,7 @@ SparseForward::SparseForward(
     graph_launch_ = graph_launch;
 }
 
-SparseForward::~SparseForward() = default;  // KernelGraph is complete here
+SparseForward::~SparseForward() = default;  // PlannedKernelGraph is complete here
 
 void SparseForward::launch_planned(SparseLaunch &launch) {
     if (launch.empty) { return; }
@@ -516,10 +456,12 @@ void SparseForward::launch_planned(SparseLaunch &launch) {
         // The first eager run launches directly (setting the kernels' attributes outside any
         // capture), then captures the kernels for the runs after it.
         launch_kernels(launch, stream);
-        graph_ = std::make_unique<KernelGraph>(launch);
+        graph_ = std::make_unique<PlannedKernelGraph>([&](cudaStream_t capture) { launch_kernels(launch, capture); });
         return;
     }
-    graph_->launch(launch.params, stream);
+    // Every kernel (the forward and the combine) takes one argument, the parameters.
+    graph_->set_argument(nullptr, &launch.params);
+    graph_->launch(stream);
 }
 
 void SparseForward::check_planned(const at::Tensor &q, const at::Tensor &k, const at::Tensor &v, const at::Tensor &out,

@@ -16,6 +16,8 @@
 #include "namespace_config.h"
 #include "flash.h"
 
+class PlannedKernelGraph;  // planned_kernel_graph.h: graph_launch's CUDA graph
+
 namespace FLASH_NAMESPACE {
 
 // (head dims with compiled kernels, whether other multiples of 8 run on the next larger one):
@@ -59,10 +61,9 @@ struct SparseLaunch {
 // offsets, seqused_k and page table (laid out as planned), returns a new LSE and takes its split
 // partials from the allocator per call (stream-ordered, so any stream): the one-shot cache's
 // launch, whose entry drops run's buffers (release_run_buffers) to hold none. With graph_launch,
-// the runs after the first launch the planned kernels as one CUDA graph (KernelGraph) given each
+// the runs after the first launch the planned kernels as one CUDA graph (planned_kernel_graph.h) given each
 // run's parameters, one cudaGraphLaunch instead of a runtime launch per kernel; a run on a stream
 // being captured launches them directly (a graph cannot be launched into a capture).
-class KernelGraph;
 
 class SparseForward {
   public:
@@ -107,7 +108,7 @@ class SparseForward {
     bool released_ = false;
     std::vector<at::Tensor> lists_;  // kept alive: the parameters point into them
     bool graph_launch_ = false;
-    std::unique_ptr<KernelGraph> graph_;  // made by the first eager run with graph_launch
+    std::unique_ptr<PlannedKernelGraph> graph_;  // made by the first eager run with graph_launch
 };
 
 // Merges partials (S x b x h x seqlen_q x d_rounded fp32, S x b x h x seqlen_q fp32) into out and
