@@ -96,6 +96,21 @@ def test_dev_kernels_are_what_the_patched_setup_compiles(tmp_path, monkeypatch):
         "cuda_driver_entry_points.cpp"}
 
 
+@pytest.mark.skipif(not (ROOT / "build" / "trees" / "flash-attn-3").exists(), reason="run `nox -s apply` first")
+@pytest.mark.parametrize("sm80_off", [True, False])
+def test_combine_and_scheduler_units_compile_for_sm80_only_when_sm8x_is_built(sm80_off: bool):
+    """setup.py's rule for the two units both archs share (flash_fwd_combine.cu,
+    flash_prepare_scheduler.cu; patch flash-attn-3/0001): the dev profile (DISABLE_SM80) compiles
+    them for sm90a alone, upstream's build for sm90a and sm80."""
+    text = (ROOT / "build" / "trees" / "flash-attn-3" / "hopper" / "setup.py").read_text()
+    (line,) = [line.strip() for line in text.splitlines() if line.strip().startswith("cuda_post_cflags_sm80_sm90 = ")]
+    scope = {"cuda_post_cflags": ["-O3", "-gencode", "arch=compute_90a,code=sm_90a"], "DISABLE_SM8x": sm80_off}
+    exec(line, scope)  # noqa: S102 -- runs setup.py's own rule line
+    archs = [flag for flag in scope["cuda_post_cflags_sm80_sm90"] if flag.startswith("arch=")]
+    assert archs == (["arch=compute_90a,code=sm_90a"] if sm80_off else ["arch=compute_90a,code=sm_90a", "arch=compute_80,code=sm_80"])
+    assert "FLASH_ATTENTION_DISABLE_SM80" in {f"FLASH_ATTENTION_DISABLE_{flag}" for flag in build_fa3.DEV_OFF}
+
+
 def test_fa3_mutation_goes_to_the_fa3_build_only():
     """build --mutation sends a hopper/ diff to build_fa3 and a csrc/ one to the FA-2 build."""
     assert build_fa3.is_mutation_of_fa3(ROOT / "tests" / "mutations" / "fa3-v-steps-densely.patch")
