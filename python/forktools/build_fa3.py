@@ -13,7 +13,8 @@ the profile and archs, so `--reuse` finds a carried wheel of the same source.
 Profiles (the FLASH_ATTENTION_DISABLE_* variables of hopper/setup.py, patch flash-attn-3/0001):
 - dev: sm90a, forward only, head dims 64 and 128 with dv == d, fp16 and bf16, split-KV, PackGQA
   and varlen kept; no paged non-TMA K/V, softcap, local, append-KV, fp8, clusters, SM8x kernels.
-  That is DEV_KERNELS (12 units) + flash_api.cpp, flash_fwd_combine.cu, flash_prepare_scheduler.cu,
+  That is DEV_KERNELS (12 units) + flash_api.cpp, flash_fwd_combine.cu, flash_prepare_scheduler.cu
+  (those two for sm90a alone: SM80 is off),
   and the sparse path (patches flash-attn-3/0002-0003): DEV_SPARSE_KERNELS (16 units, written by
   setup.py from generate_kernels_sparse.py) + flash_api_sparse.cpp.
 - full: upstream's FA-3 matrix.
