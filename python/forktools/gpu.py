@@ -354,7 +354,8 @@ def add_parser(commands) -> None:
     command.add_argument("--ncu-targets", default="B8_Sq1 B1_Sq1", help="ncu-dense's shapes")
     command.add_argument("--no-fa3", action="store_true", help="build and install without the FA-3 (flash_attn_3) wheel")
     command.add_argument("--fa3-variant", dest="fa3_variants", action="append", type=Path, metavar="DIFF",
-                         help="fa3-variants step: a hopper/ diff on the patched tree (e.g. benchmarks/experiments/fa3-*.diff)")
+                         help="fa3-variants step: a hopper/ diff on the patched tree (e.g. benchmarks/experiments/fa3-*.diff), "
+                              "or several joined by + built together as one variant")
     command.add_argument("--upstream-fa3-k", default="test_flash_attn_output and not paged",
                          help="upstream-fa3 step: pytest -k over hopper/test_flash_attn.py")
     command.add_argument("--sanitize-args", default="", metavar="ARGS",

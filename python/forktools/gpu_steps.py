@@ -126,8 +126,10 @@ def fa3_variants(session) -> str:
         return "fa3 install: FAILED (no flash_attn_3 wheel in dist/?)"
     results = [_fa3_bench(session, "fa3-baseline", baseline)]
     for diff in diffs:
-        name = Path(diff).stem
-        if session.forktools("build", "--profile", "dev", "--reuse", "--mutation", str(diff),
+        # "a.diff+b.diff": the diffs applied together, one build measuring both
+        parts = str(diff).split("+")
+        name = "-and-".join(Path(part).stem for part in parts)  # a plain file name for $OUT
+        if session.forktools("build", "--profile", "dev", "--reuse", *(arg for part in parts for arg in ("--mutation", part)),
                              output=session.logs / f"fa3-variant-{name}-build.log"):
             results.append(f"{name}: build FAILED")
             continue
