@@ -109,10 +109,10 @@ def runtime_calls(fn) -> str:
 def parts(backend, plan, q, k, v):
     """The launches a plan's run or a one-shot call makes, without their Python: [(name, fn)]."""
     from flash_attn_sparse import ops
-    from flash_attn_sparse.interface import blocks_facts
+    from flash_attn_sparse.interface import cache_key
     out, b = plan.out, plan.blocks
     # The one-shot cache's key (interface.run_cached): what a cached call pays before its launch.
-    key = ("one-shot key", lambda: (facts(q), facts(k), facts(v), facts(out), blocks_facts(b)))
+    key = ("one-shot key", lambda: cache_key(q, k, v, out, b, (), None, None, None, None))
     if backend == "fa2" and plan._planned is not None:
         from flash_attn_sparse.backends import fa2
         planned, args = plan._planned, plan._extension_args
