@@ -81,7 +81,7 @@ def patched_hopper(tmp_path_factory) -> Path:
 
 
 def test_dev_kernels_are_what_the_patched_setup_compiles(patched_hopper: Path, tmp_path, monkeypatch):
-    """The source list of hopper/setup.py (patches flash-attn-3/0001, 0003, 0008) under the dev
+    """The source list of hopper/setup.py (patches flash-attn-3/0001, 0003, 0009) under the dev
     variables, by running its list-building lines: 12 dense kernel units, the 16 sparse units it
     writes from generate_kernels_sparse.py (here into tmp_path), flash_api and flash_api_sparse,
     combine and scheduler, and the driver entry points CUTLASS's TMA descriptors call (0008)."""

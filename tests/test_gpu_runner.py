@@ -112,11 +112,11 @@ def test_an_fa3_variant_is_built_tested_and_benched_beside_this_build(capsys, tm
 
 def test_fa3_variant_diffs_joined_by_plus_build_as_one_variant(capsys, tmp_path):
     """--fa3-variant a.diff+b.diff: one FA-3 build with both diffs applied, tested and benched once."""
-    first, second = (REPO / "benchmarks/experiments" / name for name in ("fa3-sparse-unmasked-step.diff", "fa3-combine-pdl.diff"))
+    first, second = (REPO / "benchmarks/experiments" / name for name in ("fa3-static-scheduler.diff", "fa3-combine-pdl.diff"))
     commands = dry_run(capsys, "--out", str(tmp_path), "--fa3-variant", f"{first}+{second}", "fa3-variants")
     (build,) = [c for c in commands if "--mutation" in c]
     assert f"--mutation {first} --mutation {second}" in build
-    assert sum("fa3-variant-fa3-sparse-unmasked-step-and-fa3-combine-pdl.json" in c for c in commands) == 1
+    assert sum("fa3-variant-fa3-static-scheduler-and-fa3-combine-pdl.json" in c for c in commands) == 1
 
 
 def test_without_an_fa3_variant_the_step_says_so(capsys, tmp_path):
