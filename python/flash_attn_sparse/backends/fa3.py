@@ -71,10 +71,13 @@ def launcher(call, splits: int, out: Optional[Tensor] = None, reuse_plan: bool =
     def launch(q, k, v, blocks, out, cu_seqlens_q=None, cu_seqlens_k=None, seqused_k=None, page_table=None):
         if out is None:
             out = torch.empty_like(q)
-        lists = _list_args(blocks, cu_seqlens_q, cu_seqlens_k)
-        if reused is not None:
-            return out, reused.run_with(q=q, k=k, v=v, out=out, **lists)  # a new LSE: the caller's to keep
-        return out, forward(q=q, k=k, v=v, out=out, **lists, **bound)
+        if reused is not None:  # the lists by name, written out: no dict built per call
+            return out, reused.run_with(q=q, k=k, v=v, out=out, full_cnt=blocks.full_cnt, full_idx=blocks.full_idx,
+                                        mask_cnt=blocks.mask_cnt, mask_idx=blocks.mask_idx,
+                                        cu_total_m_blocks=blocks.cu_total_m_blocks,
+                                        cu_block_idx_offsets=blocks.cu_block_idx_offsets,
+                                        cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k)  # a new LSE: the caller's
+        return out, forward(q=q, k=k, v=v, out=out, **_list_args(blocks, cu_seqlens_q, cu_seqlens_k), **bound)
     return launch
 
 
