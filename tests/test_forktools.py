@@ -611,6 +611,19 @@ def test_build_options_come_from_the_environment_so_posargs_stay_pytest_s(monkey
     assert (calls[-1]["archs"], calls[-1]["profile"]) == (["120"], "dev")
 
 
+def test_fa3_only_builds_its_mutations_and_refuses_flash_attn_ones(monkeypatch, capsys, tmp_path):
+    """build --fa3-only --mutation: an FA-3 (hopper/) diff goes to the FA-3 build; a flash-attn one
+    would be dropped silently there, so it is refused."""
+    from forktools import build_fa3
+    calls = []
+    monkeypatch.setattr(build_fa3, "build", lambda layout, **options: calls.append(options))
+    fa3_diff, fa2_diff = REPO / "tests/mutations/fa3-v-steps-densely.patch", REPO / "tests/mutations/v-steps-densely.patch"
+    assert main(["build", "--fa3-only", "--mutation", str(fa3_diff)], root=tmp_path) == 0
+    assert calls[-1]["mutations"] == [fa3_diff]
+    assert main(["build", "--fa3-only", "--mutation", str(fa2_diff)], root=tmp_path) == 1
+    assert len(calls) == 1 and "hopper/ only" in capsys.readouterr().err
+
+
 def test_a_build_option_given_to_the_test_command_is_refused_with_its_spelling(capsys, tmp_path):
     assert main(["test", "-q", "--arch", "80"], root=tmp_path) == 1
     assert "FLASH_ATTN_SPARSE_ARCH=80 nox -s build test" in capsys.readouterr().err

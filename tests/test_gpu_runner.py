@@ -108,6 +108,13 @@ def test_an_fa3_variant_is_built_tested_and_benched_beside_this_build(capsys, tm
     assert len(benches) == 2 and benches[0] < build < tests < benches[1]
     assert all(f"--methods {gpu_steps.FA3_VARIANT_METHODS}" in commands[i] and "--shapes prefill" in commands[i] for i in benches)
     assert "fa3-baseline.json" in commands[benches[0]] and "fa3-variant-fa3-static-scheduler.json" in commands[benches[1]]
+    # FA-3 alone: a build of both rebuilt FA-2 whenever the carried wheel's label was not this commit's (run 142)
+    assert "build --fa3-only" in commands[build]
+
+
+def test_the_fa3_mutant_builds_fa3_alone(capsys, tmp_path):
+    (build,) = [c for c in dry_run(capsys, "--out", str(tmp_path), "fa3-mutation") if "--mutation" in c]
+    assert "build --fa3-only" in build and str(gpu_steps.FA3_MUTATION) in build
 
 
 def test_fa3_variant_diffs_joined_by_plus_build_as_one_variant(capsys, tmp_path):

@@ -51,7 +51,10 @@ def _build(layout: Layout, args: argparse.Namespace) -> int:
         wheel_fa4.build(layout)
         return 0
     if args.fa3_only:
-        build_fa3.build(layout, profile=args.profile, jobs=args.jobs, reuse=args.reuse)
+        foreign = [m for m in args.mutations if not build_fa3.is_mutation_of_fa3(m)]
+        if foreign:
+            raise ToolError(f"--fa3-only takes mutations of hopper/ only, not {', '.join(map(str, foreign))}")
+        build_fa3.build(layout, profile=args.profile, jobs=args.jobs, reuse=args.reuse, mutations=args.mutations)
         return 0
     archs = args.archs or [a for a in os.environ.get("FLASH_ATTN_SPARSE_ARCH", "").split(",") if a] or None
     build.build(layout, profile=args.profile, archs=archs, jobs=args.jobs, reuse=args.reuse,
@@ -124,7 +127,7 @@ def _parser() -> argparse.ArgumentParser:
     command.add_argument("--fa4-only", action="store_true",
                          help="only the patched flash-attn-4 wheel (pure Python, seconds), e.g. beside a carried flash-attn one")
     command.add_argument("--fa3-only", action="store_true",
-                         help="only the FA-3 (flash_attn_3) wheel, e.g. beside a carried flash-attn one")
+                         help="only the FA-3 (flash_attn_3) wheel, e.g. beside a carried flash-attn one (with --mutation: hopper/ diffs)")
     command.set_defaults(run=_build)
 
     command = commands.add_parser("variant", help="a branch as a diff over the base's patched flash-attn tree (for build --mutation)")

@@ -98,7 +98,7 @@ def fa3(session) -> str:
 
 def fa3_mutation(session) -> str:
     """build --mutation with a hopper/ diff rebuilds only the FA-3 wheel (label .mutant)."""
-    if session.forktools("build", "--profile", "dev", "--reuse", "--mutation", str(FA3_MUTATION),
+    if session.forktools("build", "--fa3-only", "--profile", "dev", "--reuse", "--mutation", str(FA3_MUTATION),
                          output=session.logs / "fa3-mutation-build.log"):
         return "fa3 mutation build: FAILED"
     env = fa3_site(session, "fa3-mutant", session.newest("flash_attn_3-*mutant*.whl"))
@@ -129,7 +129,10 @@ def fa3_variants(session) -> str:
         # "a.diff+b.diff": the diffs applied together, one build measuring both
         parts = str(diff).split("+")
         name = "-and-".join(Path(part).stem for part in parts)  # a plain file name for $OUT
-        if session.forktools("build", "--profile", "dev", "--reuse", *(arg for part in parts for arg in ("--mutation", part)),
+        # --fa3-only: the FA-2 wheel in use stays (a build of both would rebuild FA-2 whenever the
+        # carried one's label is not this commit's: 321 s in run 142, the call's whole budget).
+        if session.forktools("build", "--fa3-only", "--profile", "dev", "--reuse",
+                             *(arg for part in parts for arg in ("--mutation", part)),
                              output=session.logs / f"fa3-variant-{name}-build.log"):
             results.append(f"{name}: build FAILED")
             continue
