@@ -601,7 +601,10 @@ CROSSOVER = [Shape(f"crossover B1 Sq{sq} H32/8 Sk16k", 1, sq, 16384, 32, 8, d,
              for sq in (64, 128, 256, 512, 1024, 2048, 4096) for d in (1 / 4, 1 / 16)] + \
             [Shape(f"crossover causal B1 S{s // 1024}k H32/8", 1, s, s, 32, 8, d, causal=True,
                    only=("fa2_sparse", "fa3_sparse", "fa4_sparse", "auto"))
-             for s in (4096, 16384) for d in (1 / 4, 1 / 16)]  # causal with GQA (auto's causal rule)
+             for s in (4096, 16384) for d in (1 / 4, 1 / 16)] + \
+            [Shape(f"crossover decode B{b} Sq{sq} H32/8 Sk32k", b, sq, 32768, 32, 8, 1 / 16,
+                   only=("fa2_sparse", "fa3_sparse", "fa4_sparse", "auto"))
+             for b in (1, 8) for sq in (1, 4, 8, 16, 32)]  # decode: FA-3 led FA-2 at B8 Sq16 (7-8%), not at Sq1
 
 
 def main():

@@ -36,8 +36,10 @@ FA4_MIN_SM_SHARE = 0.75
 # to 1/16 of the key blocks or less (ahead by 4% at 1/16, behind by 5% at 1/4; the counts
 # themselves are not known without a sync). Where FA-4 packs GQA heads (B1 H32/8 Sk16k, Sq 64 to
 # 2048) it led FA-3 at every point, by 10-32%. Decode-shaped calls keep the FA-2 / FA-4 rule:
-# under graph replay FA-4 is fastest at every decode shape measured, and FA-3 and FA-2 trade
-# places within 4%.
+# under graph replay FA-4 is fastest at every decode shape measured; FA-3 led FA-2 at B8 Sq16
+# H32/8 1/16 (64 packed rows a tile: by 7.5%, run 113, H200; 8%, run 141, H100) and trailed it
+# by 0-4% at Sq1. Where FA-3 should take decode from FA-2 (eagerly, or without FA-4) waits on
+# bench_sparse.py's decode crossover (`--shapes "crossover decode"`, B1 / B8, Sq 1-32).
 FA3_MIN_QUERY_ROWS = 128
 FA3_MAX_DENSITY_INVERSE = 16
 # Eagerly, back-to-back calls overlap host and GPU work, so a call costs about the longer of the
