@@ -56,4 +56,4 @@ def auto_stays_on_fa2(request, monkeypatch):
     if request.module.__name__ not in MODULES_THAT_ROUTE_AWAY_FROM_FA2:
         from flash_attn_sparse.backends import fa4
         monkeypatch.setattr(fa4, "refusal", lambda *args, **kwargs: "FA-2 kept by tests/conftest.py")
-        monkeypatch.setattr(routing, "_fa3_takes", lambda call: False)
+        monkeypatch.setattr(routing, "_fa3_reason", lambda call: None)

@@ -56,10 +56,18 @@ def test_prefill_with_gqa_heads_fa4_packs_stays_on_fa4(builds):
     assert routing.choose(call(**dict(gqa, list_heads=32), list_blocks=8))[0] == "fa3"  # per query head: unpacked
 
 
-def test_decode_keeps_the_fa2_fa4_rule(builds):
+def test_decode_stays_on_fa4_and_goes_from_fa2_to_fa3_from_32_packed_rows(builds):
+    """FA3_MIN_PACKED_ROWS (run 143): FA-3 led FA-2 from Sq8 at H32/8 (32 packed rows), not below."""
     assert routing.choose(call(**DECODE, list_blocks=16))[0] == "fa4"  # packed query heads
     builds.fa4 = "no runtime"
-    assert routing.choose(call(**DECODE, list_blocks=16))[0] == "fa2"
+    backend, why = routing.choose(call(**DECODE, list_blocks=16))
+    assert backend == "fa3" and "64 query rows of a K/V head packed" in why and "no runtime" in why
+    assert routing.choose(call(**dict(DECODE, seqlen_q=8), list_blocks=16))[0] == "fa3"
+    assert routing.choose(call(**dict(DECODE, seqlen_q=4), list_blocks=16))[0] == "fa2"  # 16 packed rows
+    assert routing.choose(call(**dict(DECODE, seqlen_q=1), list_blocks=16))[0] == "fa2"
+    assert routing.choose(call(**dict(DECODE, list_heads=32), list_blocks=16))[0] == "fa2"  # per query head: unpacked
+    builds.fa3 = "flash_attn_3 is not importable"
+    assert routing.choose(call(**DECODE, list_blocks=16)) == ("fa2", "no runtime")
 
 
 def test_without_fa4_prefill_goes_to_fa3_and_without_fa3_the_rule_is_unchanged(builds):
@@ -73,10 +81,11 @@ def test_without_fa4_prefill_goes_to_fa3_and_without_fa3_the_rule_is_unchanged(b
     assert routing.choose(call(**PREFILL, list_blocks=8, causal=True))[0] == "fa4"
 
 
-def test_under_torch_compile_prefill_goes_to_fa3_and_decode_to_fa2(builds, monkeypatch):
+def test_under_torch_compile_prefill_and_packed_decode_go_to_fa3_and_single_rows_to_fa2(builds, monkeypatch):
     monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
     assert routing.choose(call(**PREFILL, list_blocks=128))[0] == "fa3"
-    assert routing.choose(call(**DECODE, list_blocks=16))[0] == "fa2"
+    assert routing.choose(call(**DECODE, list_blocks=16))[0] == "fa3"
+    assert routing.choose(call(**dict(DECODE, seqlen_q=1), list_blocks=16)) == ("fa2", "traced by torch.compile")
     builds.fa3 = "flash_attn_3 is not importable"
     assert routing.choose(call(**PREFILL, list_blocks=128)) == ("fa2", "traced by torch.compile")
 
@@ -100,7 +109,9 @@ def test_outside_a_graph_capture_short_fa4_calls_go_where_auto_would_send_them_w
     backend, why = routing.choose(decode)
     assert backend == "fa4"
     eager_backend, eager_why = routing.eager_choice(decode, backend, fa4.num_splits(decode))
-    assert eager_backend == "fa2" and "host time" in eager_why
+    assert eager_backend == "fa3" and "host time" in eager_why  # 64 packed rows (run 143: eager fa3 0.037 ms, fa2 0.040)
+    single_rows = call(**dict(DECODE, seqlen_q=1), list_blocks=16)
+    assert routing.eager_choice(single_rows, "fa4", fa4.num_splits(single_rows))[0] == "fa2"
     causal_4k = call(**gqa, seqlen_q=4096, seqlen_k=4096, list_blocks=2, causal=True)  # 1/16
     assert routing.eager_choice(causal_4k, "fa4", 1)[0] == "fa3"
     # 1/4 (run 125: eager fa3 0.117 ms, fa4 0.377): lists of 16 at capacity, but a causal tile's
@@ -139,7 +150,7 @@ def test_a_decision_runs_its_eager_choice_unless_the_stream_is_capturing(builds,
         fake = type(name, (), {"num_splits": staticmethod(lambda c: 1),
                                "run": staticmethod(lambda c, splits, out, name=name: ran.append(name) or (out, None))})
         monkeypatch.setitem(backends.BACKENDS, name, fake)
-    decode = call(**DECODE, list_blocks=16)
+    decode = call(**dict(DECODE, seqlen_q=1), list_blocks=16)  # eagerly FA-2's (4 packed rows)
     decision = interface.Decision(decode)
     assert (decision.backend, decision.eager.backend) == ("fa4", "fa2")
     monkeypatch.setattr(interface, "capturing", lambda: False)

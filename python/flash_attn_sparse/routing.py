@@ -35,12 +35,15 @@ FA4_MIN_SM_SHARE = 0.75
 # heads, when causal (B1 S16k H32: FA-3 ahead by 2-13%) or when the lists' capacity bounds them
 # to 1/16 of the key blocks or less (ahead by 4% at 1/16, behind by 5% at 1/4; the counts
 # themselves are not known without a sync). Where FA-4 packs GQA heads (B1 H32/8 Sk16k, Sq 64 to
-# 2048) it led FA-3 at every point, by 10-32%. Decode-shaped calls keep the FA-2 / FA-4 rule:
-# under graph replay FA-4 is fastest at every decode shape measured; FA-3 led FA-2 at B8 Sq16
-# H32/8 1/16 (64 packed rows a tile: by 7.5%, run 113, H200; 8%, run 141, H100) and trailed it
-# by 0-4% at Sq1. Where FA-3 should take decode from FA-2 (eagerly, or without FA-4) waits on
-# bench_sparse.py's decode crossover (`--shapes "crossover decode"`, B1 / B8, Sq 1-32).
+# 2048) it led FA-3 at every point, by 10-32%. Decode-shaped calls that FA-4 takes stay there:
+# under graph replay FA-4 is fastest at every decode shape measured. Where FA-2 would run a
+# decode-shaped call (eagerly, under torch.compile, or without FA-4), FA-3 takes it when it packs
+# at least FA3_MIN_PACKED_ROWS query rows of a K/V head into its tile (GQA, shared or per-K/V-head
+# lists): run 143 (H100, graph replay, H32/8 Sk32k 1/16, fa3 / fa2 time) B1 Sq1 1.15, Sq4 1.11,
+# Sq8 0.94, Sq16 0.91, Sq32 0.74; B8 Sq1 0.99, Sq4 1.01, Sq8 0.92, Sq16 0.90, Sq32 0.90 (Sq8 is 32
+# packed rows; B8 Sq16 also 0.925 in run 113, H200).
 FA3_MIN_QUERY_ROWS = 128
+FA3_MIN_PACKED_ROWS = 32
 FA3_MAX_DENSITY_INVERSE = 16
 # Eagerly, back-to-back calls overlap host and GPU work, so a call costs about the longer of the
 # two. FA-4's host time per call is 10-20x FA-2's or FA-3's and varies 2x from host to host
@@ -67,8 +70,8 @@ def choose(call: SparseCall) -> Tuple[str, str]:
     if torch.compiler.is_compiling():  # the FA-2 and FA-3 paths are custom ops; the FA-4 one is not traceable
         if call.requested_backend == "fa4":
             fail("backend", "'fa4' cannot be traced by torch.compile; use 'fa2', 'fa3' or 'auto' there")
-        if _fa3_takes(call):
-            return "fa3", f"traced by torch.compile; {call.max_seqlen_q} query rows: FA-3's tiles run about 1.8x FA-2's"
+        if fa3_why := _fa3_reason(call):
+            return "fa3", f"traced by torch.compile; {fa3_why}"
         return "fa2", "traced by torch.compile"
     unsupported = fa4.refusal(call)
     if call.requested_backend == "fa4":
@@ -77,11 +80,11 @@ def choose(call: SparseCall) -> Tuple[str, str]:
                  f"'fa4' cannot run this call: {unsupported}")
         return "fa4", "requested"
     backend, why = _fa2_or_fa4(call, unsupported)
-    if _fa3_takes(call):
+    if fa3_why := _fa3_reason(call):
         if backend == "fa2":
-            return "fa3", f"{call.max_seqlen_q} query rows: FA-3's tiles run about 1.8x FA-2's ({why})"
-        if fa4.packs_query_heads(call.q, call.k, call.blocks):
-            return backend, why  # FA-4 packing GQA heads led FA-3 at every crossover point (run 115)
+            return "fa3", f"{fa3_why} ({why})"
+        if fa4.packs_query_heads(call.q, call.k, call.blocks) or _query_rows(call) < FA3_MIN_QUERY_ROWS:
+            return backend, why  # FA-4 packing GQA heads led FA-3 at every crossover point (runs 115, 141)
         if call.causal:
             return "fa3", "causal prefill: FA-3 ahead of FA-4 at 1/4 and 1/16 of the blocks, level with all"
         n_blocks = cdiv(call.max_seqlen_k, call.blocks.block_size)
@@ -101,7 +104,7 @@ def eager_choice(call: SparseCall, backend: str, splits: int) -> Optional[Tuple[
         return None
     why = (f"eager: FA-4's modelled {modelled:.0f} us of GPU time would not hide its 140-430 us of host time per "
            f"call (FA4_EAGER_MIN_GPU_US {FA4_EAGER_MIN_GPU_US:.0f})")
-    if _fa3_takes(call):
+    if _fa3_reason(call):
         return "fa3", why
     if _fa2_build_runs(call.q.shape[-1]):
         return "fa2", why
@@ -123,11 +126,23 @@ def capturing() -> bool:
     return torch.cuda.is_initialized() and torch.cuda.is_current_stream_capturing()
 
 
-def _fa3_takes(call: SparseCall) -> bool:
-    """Prefill-shaped (at least one FA-3 tile of query rows per sequence; a varlen call's on
-    average) and run by the FA-3 build present."""
-    rows = call.q.shape[0] / max(call.batch, 1) if call.varlen else call.max_seqlen_q
-    return rows >= FA3_MIN_QUERY_ROWS and fa3.refusal(call) is None
+def _query_rows(call: SparseCall) -> float:
+    """Query rows per sequence (a varlen call's on average)."""
+    return call.q.shape[0] / max(call.batch, 1) if call.varlen else call.max_seqlen_q
+
+
+def _fa3_reason(call: SparseCall) -> Optional[str]:
+    """Why FA-3 should run a call rather than FA-2, or None: prefill-shaped (at least one FA-3
+    tile of query rows per sequence), or at least FA3_MIN_PACKED_ROWS packed rows; and run by the
+    FA-3 build present."""
+    rows = _query_rows(call)
+    if rows >= FA3_MIN_QUERY_ROWS:
+        why = f"{rows:g} query rows: FA-3's tiles run about 1.8x FA-2's"
+    elif (packed := fa3.packed_rows(call)) >= FA3_MIN_PACKED_ROWS:
+        why = f"{packed:g} query rows of a K/V head packed in FA-3's tile: ahead of FA-2 by 6-26% from 32"
+    else:
+        return None
+    return why if fa3.refusal(call) is None else None
 
 
 def _fa2_or_fa4(call: SparseCall, unsupported: Optional[str]) -> Tuple[str, str]:

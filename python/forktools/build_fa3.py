@@ -48,12 +48,13 @@ def wheel_glob(label: str) -> str:
     return f"{PACKAGE}-*+{label}-*.whl"
 
 
-def default_jobs(jobs: int | None) -> int:
-    """Parallel units: the CPUs, but no more than the memory left beside FA-2 allows at ~6 GB a
-    unit (15 on the 16-core, 128 GB H200 machine: three waves for the 32 dev units)."""
+def default_jobs(jobs: int | None, beside_fa2: bool = False) -> int:
+    """Parallel units: the CPUs, but no more than the memory (less what FA-2's build takes when it
+    runs beside) allows at ~6 GB a unit: on the 16-core, 128 GB GPU machine 16 alone, 15 beside
+    FA-2 (run 138 built FA-3 alone with 15: 2,332 unit-seconds in 189 s)."""
     cpus = jobs or os.cpu_count() or 1
     memory_gib = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
-    return max(1, min(cpus, int((memory_gib - GIB_FOR_FA2) // GIB_PER_JOB)))
+    return max(1, min(cpus, int((memory_gib - (GIB_FOR_FA2 if beside_fa2 else 0)) // GIB_PER_JOB)))
 
 
 def version_label(layout: Layout, profile: str = "dev", mutations: list[Path] = ()) -> str:
@@ -71,9 +72,10 @@ def is_mutation_of_fa3(mutation: Path) -> bool:
 
 
 def build(layout: Layout, profile: str = "dev", jobs: int | None = None, reuse: bool = False,
-          mutations: list[Path] = ()) -> Path:
+          mutations: list[Path] = (), beside_fa2: bool = False) -> Path:
     """Build (or, with reuse, find) the FA-3 wheel in dist/ and return it; mutations are diffs
-    laid on the patched tree (tests/mutations/fa3-*.patch), the label then ends in `.mutant`."""
+    laid on the patched tree (tests/mutations/fa3-*.patch), the label then ends in `.mutant`;
+    beside_fa2: FA-2's build runs at the same time (default_jobs leaves it memory)."""
     from forktools import build as fa2_build
 
     if profile not in PROFILES:
@@ -91,7 +93,7 @@ def build(layout: Layout, profile: str = "dev", jobs: int | None = None, reuse: 
         print(f"build fa3: applied mutation {mutation}", flush=True)
     env = {**os.environ, **PROFILES[profile],
            "FLASH_ATTENTION_FORCE_BUILD": "TRUE", "FLASH_ATTN_LOCAL_VERSION": label,
-           "MAX_JOBS": str(default_jobs(jobs)), "NVCC_THREADS": os.environ.get("NVCC_THREADS", "1")}
+           "MAX_JOBS": str(default_jobs(jobs, beside_fa2)), "NVCC_THREADS": os.environ.get("NVCC_THREADS", "1")}
     dist.mkdir(exist_ok=True)
     log_path = layout.root / "build" / "logs" / f"build-fa3-{profile}.log"
     log_path.parent.mkdir(parents=True, exist_ok=True)
@@ -118,7 +120,7 @@ class Background:
     def __init__(self, layout: Layout, profile: str, jobs: int | None, reuse: bool, mutations: list[Path] = ()):
         self._wheel: Path | None = None
         self._error: Exception | None = None
-        self._thread = threading.Thread(target=self._run, args=(layout, profile, jobs, reuse, mutations), daemon=True)
+        self._thread = threading.Thread(target=self._run, args=(layout, profile, jobs, reuse, mutations, True), daemon=True)
         self._thread.start()
 
     def _run(self, *args) -> None:

@@ -2,10 +2,10 @@
 (patches/flash-attn-3, overlay hopper/flash_api_sparse.cpp; the op flash_attn_3_sparse::fwd in
 this build's flash_attn_3 wheel). fa3_ops holds the op wrapper and the kernel's host rules.
 
-Requested with backend="fa3", or chosen by `auto` for prefill-shaped calls (routing.choose:
-where FA-2 would run them, and where FA-4 would not pack GQA heads, causal or lists bounded to
-1/16 of the key blocks), from the crossovers of runs 108-115 (docs/performance.md); decode-shaped
-calls stay on fa2 / fa4.
+Requested with backend="fa3", or chosen by `auto` (routing.choose) where FA-2 would run a call
+that is prefill-shaped or packs at least 32 query rows per K/V head (decode with GQA), and where
+FA-4 would not pack GQA heads on a prefill-shaped call, causal or lists bounded to 1/16 of the key
+blocks: from the crossovers of runs 108-115 and 143 (docs/performance.md).
 Beyond fa3_ops.refusal it refuses, with the reason: seqused_k, and a second K/V source for the
 mask lists (the speculative one-launch form), which the op does not take.
 """
@@ -28,6 +28,13 @@ def refusal(call) -> Optional[str]:
     reason = fa3_ops.refusal(call.q, call.k, call.effective_blocks(), varlen=call.varlen,
                              paged=call.page_table is not None, max_seqlen_q=call.max_seqlen_q)
     return reason or fa3_ops.missing_build()
+
+
+def packed_rows(call) -> float:
+    """Query rows of one sequence (a varlen call's on average) in the kernel's tile rows: times the
+    GQA group where the query heads of a K/V head share a tile (shared or per-K/V-head lists)."""
+    rows = call.q.shape[0] / max(call.batch, 1) if call.varlen else call.max_seqlen_q
+    return rows * fa3_ops.packed_group(call.q, call.k, call.effective_blocks(), call.max_seqlen_q)
 
 
 def num_splits(call) -> int:

@@ -55,6 +55,15 @@ def _packs_query_heads(group: int, list_heads: int, num_heads: int, q_block_size
             and q_block_size % (TILE_M // group) == 0)
 
 
+def packed_group(q: Tensor, k: Tensor, blocks: SparseBlocks, seqlen_q: int) -> int:
+    """Query heads sharing one tile's rows under the host's PackGQA choice: the GQA group where
+    the kernel packs them, else 1."""
+    num_heads, num_heads_k = q.shape[-2], k.shape[-2]
+    group = num_heads // max(num_heads_k, 1)
+    packs = _packs_query_heads(group, blocks.num_heads, num_heads, blocks.resolved_q_block_size(seqlen_q))
+    return group if packs else 1
+
+
 def refusal(q: Tensor, k: Tensor, blocks: SparseBlocks, *, varlen: bool, paged: bool = False,
             max_seqlen_q: Optional[int] = None) -> Optional[str]:
     """None if the FA-3 sparse kernel takes this call, else the first rule it breaks."""
