@@ -141,6 +141,29 @@ def test_outside_a_graph_capture_short_fa4_calls_go_where_auto_would_send_them_w
     assert routing.eager_choice(causal_4k, "fa4", 1) is None
 
 
+def test_outside_a_graph_capture_host_bound_fa3_calls_go_to_fa2(builds, monkeypatch):
+    """FA3_EAGER_MIN_GPU_US: where FA-4's modelled GPU time is under 12 us a call is bound by its
+    host time, and FA-2's host path is the shorter (runs 143 and 146, B1 H32/8 eagerly: Sq32 decode
+    fa2 0.0214 ms, fa3 0.0221; Sq256 Sk16k 1/16 fa2 0.0280, fa3 0.0229)."""
+    monkeypatch.setattr(fa4, "num_sms", lambda index: 132)
+    b1_decode = call(**dict(DECODE, batch=1, seqlen_q=32), list_blocks=16)  # modelled 8 us
+    assert routing.choose(b1_decode)[0] == "fa4"
+    eager_backend, why = routing.eager_choice(b1_decode, "fa4", fa4.num_splits(b1_decode))
+    assert eager_backend == "fa2" and "FA4_EAGER_MIN_GPU_US" in why
+    builds.fa4 = "no runtime"
+    assert routing.choose(b1_decode)[0] == "fa3"  # under graph replay FA-3 leads (0.0116 vs 0.0158 ms)
+    eager_backend, why = routing.eager_choice(b1_decode, "fa3", 0)
+    assert eager_backend == "fa2" and "FA3_EAGER_MIN_GPU_US" in why
+    assert routing.eager_choice(call(**DECODE, list_blocks=16), "fa3", 0) is None  # B8: modelled 17 us
+    short_prefill = call(batch=1, seqlen_q=128, seqlen_k=16384, heads=32, heads_k=8, list_heads=8, list_blocks=8)
+    assert routing.choose(short_prefill)[0] == "fa3" and routing.eager_choice(short_prefill, "fa3", 0)[0] == "fa2"
+    longer_prefill = call(batch=1, seqlen_q=256, seqlen_k=16384, heads=32, heads_k=8, list_heads=8, list_blocks=8)
+    assert routing.eager_choice(longer_prefill, "fa3", 0) is None  # modelled 14 us
+    assert routing.eager_choice(call(**dict(DECODE, batch=1, seqlen_q=32), list_blocks=16, requested="fa3"), "fa3", 0) is None
+    monkeypatch.setattr(ops, "compiled_head_dims", lambda: ((64,), False))  # no FA-2 kernels for d 128: FA-3 keeps it
+    assert routing.eager_choice(b1_decode, "fa3", 0) is None
+
+
 def test_a_decision_runs_its_eager_choice_unless_the_stream_is_capturing(builds, monkeypatch):
     """One cached decision serves both: eager calls launch the eager backend, captured ones FA-4."""
     from flash_attn_sparse import backends

@@ -411,7 +411,8 @@ def test_auto_routing():
     q_decode, k_decode, v_decode = random_qkv(8, 16, 32768, 32, 8, 128, torch.bfloat16)
     assert fas.choose_backend(q_decode, k_decode, v_decode, dense(32768), graph=True)[0] == "fa4"
     # ... in a graph capture; eagerly at 1/16 FA-4's host time exceeds its kernel's, and FA-3 runs
-    # it where its build is present (64 packed rows a tile: FA3_MIN_PACKED_ROWS), else FA-2.
+    # it where its build is present (64 packed rows a tile, modelled 17 us: FA3_MIN_PACKED_ROWS,
+    # FA3_EAGER_MIN_GPU_US), else FA-2.
     assert fas.choose_backend(q_decode, k_decode, v_decode, dense(32768)[:16], graph=False)[0] == ("fa3" if fa3_here else "fa2")
     assert fas.choose_backend(q_decode[:, :1], k_decode, v_decode, dense(32768)[:16], graph=False)[0] == "fa2"  # 4 rows
     assert fas.choose_backend(q_decode, k_decode, v_decode, dense(32768)[:16], graph=True)[0] == "fa4"
@@ -426,9 +427,9 @@ def test_auto_routing():
 @pytest.mark.sm90
 def test_auto_runs_fa4_inside_a_capture_and_its_eager_choice_outside(monkeypatch):
     """B2 Sq16 H8/2 decode, 1/8 of the blocks, per-K/V-head lists: auto's choice is FA-4 (packed
-    query heads), but its modelled GPU time is far below its host time, so eager one-shot calls
-    and plan runs go to FA-3 (64 packed rows a tile) or, without its build, FA-2; captured ones to
-    FA-4. Both answers against the fp32 reference."""
+    query heads), but its modelled GPU time (5 us) is far below its host time, so eager one-shot
+    calls and plan runs go to FA-2 (FA-3 only from FA3_EAGER_MIN_GPU_US); captured ones to FA-4.
+    Both answers against the fp32 reference."""
     _needs_fa4()
     g = torch.Generator(device="cuda").manual_seed(41)
     q, k, v = random_qkv(2, 16, 8192, 8, 2, 128, torch.bfloat16, generator=g)
@@ -441,10 +442,9 @@ def test_auto_runs_fa4_inside_a_capture_and_its_eager_choice_outside(monkeypatch
     run_fa4 = fa4.launch_entry
     monkeypatch.setattr(fa4, "launch_entry", lambda *a: fa4_launches.append(1) or run_fa4(*a))
     assert fas.choose_backend(q, k, v, blocks, graph=True)[0] == "fa4"
-    eager = "fa3" if fa3_ops.missing_build() is None else "fa2"
-    assert fas.choose_backend(q, k, v, blocks)[0] == eager
+    assert fas.choose_backend(q, k, v, blocks)[0] == "fa2"
     plan = fas.plan(q, k, v, blocks)
-    assert (plan.backend, plan.eager_backend) == ("fa4", eager)
+    assert (plan.backend, plan.eager_backend) == ("fa4", "fa2")
     for run in (lambda: fas.flash_attn_with_sparse_block_table(q, k, v, blocks), lambda: plan.run(q, k, v)):
         out, lse = run()
         assert not fa4_launches

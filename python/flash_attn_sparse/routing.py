@@ -56,6 +56,15 @@ FA3_MAX_DENSITY_INVERSE = 16
 # auto (fa3) 0.113, FA-4 0.363; Sq4096 Sk16k 1/4 (modelled 488 us) auto (FA-4) 0.444, fa3 0.473.
 # Inside a capture only GPU time is replayed, and FA-4 keeps the call.
 FA4_EAGER_MIN_GPU_US = 400.0
+# Likewise auto's FA-3 choice (or FA-3 in place of an FA-4 choice, above) runs on FA-2 outside a
+# capture when FA-4's modelled GPU time (the yardstick; FA-3 takes 1.0-1.2x it at decode) is under
+# FA3_EAGER_MIN_GPU_US: such a call is bound by its host time, and FA-2's host path is 1-3 us
+# shorter than FA-3's (one-shot 26.7 vs 28.8 us, plan.run 6.7 vs 9.9, run 145). Runs 143 and 146
+# (H100, eager ms fa2 / fa3, B1 H32/8 1/16 unless named, FA-4's modelled us in brackets): Sq8
+# 0.0214 / 0.0220 (5.6), Sq32 0.0214 / 0.0221 (8.3), Sq64 Sk16k 0.0217 / 0.0229 (8.3), Sq128 Sk16k
+# 0.0215 / 0.0229 (10.7); Sq256 Sk16k 0.0280 / 0.0229 (13.7), Sq64 Sk16k 1/4 0.0291 / 0.0227 (14.5),
+# B8 Sq8 0.0379 / 0.0357 (16.9), B8 Sq16 0.0406 / 0.0382 (16.9).
+FA3_EAGER_MIN_GPU_US = 12.0
 
 
 def choose(call: SparseCall) -> Tuple[str, str]:
@@ -96,16 +105,23 @@ def choose(call: SparseCall) -> Tuple[str, str]:
 
 def eager_choice(call: SparseCall, backend: str, splits: int) -> Optional[Tuple[str, str]]:
     """Where auto's choice `backend` (in `splits` splits) should run outside a CUDA-graph capture
-    when that differs (FA4_EAGER_MIN_GPU_US), else None."""
-    if backend != "fa4" or call.requested_backend != "auto":
+    when that differs (FA4_EAGER_MIN_GPU_US, FA3_EAGER_MIN_GPU_US), else None."""
+    if backend not in ("fa3", "fa4") or call.requested_backend != "auto":
         return None
-    modelled = fa4.modelled_time_us(call, splits)
-    if modelled >= FA4_EAGER_MIN_GPU_US:
-        return None
-    why = (f"eager: FA-4's modelled {modelled:.0f} us of GPU time would not hide its 140-430 us of host time per "
-           f"call (FA4_EAGER_MIN_GPU_US {FA4_EAGER_MIN_GPU_US:.0f})")
-    if _fa3_reason(call):
-        return "fa3", why
+    if backend == "fa4":
+        modelled = fa4.modelled_time_us(call, splits)
+        if modelled >= FA4_EAGER_MIN_GPU_US:
+            return None
+        why = (f"eager: FA-4's modelled {modelled:.0f} us of GPU time would not hide its 140-430 us of host time per "
+               f"call (FA4_EAGER_MIN_GPU_US {FA4_EAGER_MIN_GPU_US:.0f})")
+        if modelled >= FA3_EAGER_MIN_GPU_US and _fa3_reason(call):
+            return "fa3", why
+    else:
+        modelled = fa4.modelled_time_us(call, fa4.num_splits(call))
+        if modelled >= FA3_EAGER_MIN_GPU_US:
+            return None
+        why = (f"eager: {modelled:.0f} us of modelled GPU time, shorter than the host time of a call, where FA-2's "
+               f"host path is the shorter (FA3_EAGER_MIN_GPU_US {FA3_EAGER_MIN_GPU_US:.0f})")
     if _fa2_build_runs(call.q.shape[-1]):
         return "fa2", why
     return None
