@@ -5,7 +5,8 @@ this build's flash_attn_3 wheel). fa3_ops holds the op wrapper and the kernel's 
 Requested with backend="fa3", or chosen by `auto` (routing.choose) where FA-2 would run a call
 that is prefill-shaped or packs at least 32 query rows per K/V head (decode with GQA), and where
 FA-4 would not pack GQA heads on a prefill-shaped call, causal or lists bounded to 1/16 of the key
-blocks: from the crossovers of runs 108-115 and 143 (docs/performance.md).
+blocks: from the crossovers of runs 108-115, 143 and 146 (docs/performance.md). Outside a CUDA-graph
+capture a call of under 12 us of modelled GPU time goes to fa2 instead (its host path is shorter).
 Beyond fa3_ops.refusal it refuses, with the reason: seqused_k, and a second K/V source for the
 mask lists (the speculative one-launch form), which the op does not take.
 """
