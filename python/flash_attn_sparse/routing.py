@@ -39,9 +39,10 @@ FA4_MIN_SM_SHARE = 0.75
 # under graph replay FA-4 is fastest at every decode shape measured. Where FA-2 would run a
 # decode-shaped call (eagerly, under torch.compile, or without FA-4), FA-3 takes it when it packs
 # at least FA3_MIN_PACKED_ROWS query rows of a K/V head into its tile (GQA, shared or per-K/V-head
-# lists): run 143 (H100, graph replay, H32/8 Sk32k 1/16, fa3 / fa2 time) B1 Sq1 1.15, Sq4 1.11,
-# Sq8 0.94, Sq16 0.91, Sq32 0.74; B8 Sq1 0.99, Sq4 1.01, Sq8 0.92, Sq16 0.90, Sq32 0.90 (Sq8 is 32
-# packed rows; B8 Sq16 also 0.925 in run 113, H200).
+# lists): runs 143 / 146 (H100, graph replay, H32/8 Sk32k 1/16, fa3 / fa2 time) B1 Sq1 1.15 / 1.15,
+# Sq4 1.11 / 1.19, Sq8 0.94 / 1.01, Sq16 0.91 / 0.90, Sq32 0.74 / 0.73; B8 Sq1 0.99 / 1.01, Sq4
+# 1.01 / 1.04, Sq8 0.92 / 0.91, Sq16 0.90 / 0.92, Sq32 0.90 / 0.92 (Sq8 is 32 packed rows; B8 Sq16
+# also 0.925 in run 113, H200).
 FA3_MIN_QUERY_ROWS = 128
 FA3_MIN_PACKED_ROWS = 32
 FA3_MAX_DENSITY_INVERSE = 16
@@ -155,7 +156,7 @@ def _fa3_reason(call: SparseCall) -> Optional[str]:
     if rows >= FA3_MIN_QUERY_ROWS:
         why = f"{rows:g} query rows: FA-3's tiles run about 1.8x FA-2's"
     elif (packed := fa3.packed_rows(call)) >= FA3_MIN_PACKED_ROWS:
-        why = f"{packed:g} query rows of a K/V head packed in FA-3's tile: ahead of FA-2 by 6-26% from 32"
+        why = f"{packed:g} query rows of a K/V head packed in FA-3's tile: level with FA-2 at 32, ahead by 8-27% from 64"
     else:
         return None
     return why if fa3.refusal(call) is None else None

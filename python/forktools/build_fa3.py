@@ -120,12 +120,12 @@ class Background:
     def __init__(self, layout: Layout, profile: str, jobs: int | None, reuse: bool, mutations: list[Path] = ()):
         self._wheel: Path | None = None
         self._error: Exception | None = None
-        self._thread = threading.Thread(target=self._run, args=(layout, profile, jobs, reuse, mutations, True), daemon=True)
+        self._thread = threading.Thread(target=self._run, args=(layout, profile, jobs, reuse, mutations), daemon=True)
         self._thread.start()
 
     def _run(self, *args) -> None:
         try:
-            self._wheel = build(*args)
+            self._wheel = build(*args, beside_fa2=True)  # build.build runs FA-2's beside it
         except Exception as err:  # noqa: BLE001 -- handed to the caller in result()
             self._error = err
 
