@@ -35,7 +35,7 @@ import sys
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import NamedTuple
+from typing import NamedTuple, Optional
 
 import torch
 import torch.nn.functional as F
@@ -616,6 +616,18 @@ CROSSOVER = [Shape(f"crossover decode B{b} Sq{sq} H32/8 Sk32k", b, sq, 32768, 32
              for s in (4096, 16384) for d in (1 / 4, 1 / 16)]
 
 
+def select_shapes(spec: Optional[str]) -> list:
+    """The shapes `--shapes` names (None: all): a comma-separated part matches a shape's name or
+    "name density", e.g. "full 0.25" or "causal 0.25"; crossover rows only for a part that says
+    "crossover" (so "Sk32k 0.0625" means the DECODE rows, not the crossover's decode rows)."""
+    shapes = DECODE + PREFILL + CROSSOVER
+    if not spec:
+        return shapes
+    parts = [part.strip() for part in spec.split(",")]
+    return [shape for shape in shapes if any(part in f"{shape.name} {shape.density:.4g}"
+                                             and ("crossover" in part or shape not in CROSSOVER) for part in parts)]
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--shapes", help="comma-separated substrings of 'shape-name density' to run (default: all)")
@@ -631,14 +643,7 @@ def main():
         stem = f"{time.strftime('%Y-%m-%d')}-{torch.cuda.get_device_name().split()[-1].lower()}-{source_commit()}"
         args.json, args.markdown = args.out / f"{stem}.json", args.out / f"{stem}.md"
     methods = {"fa4_pristine_blocksparse"} if args.pristine_fa4 else set(args.methods.split(","))
-    shapes = DECODE + PREFILL + CROSSOVER
-    if args.shapes:
-        # a part matches the shape's name or "name density", e.g. "full 0.25" or "causal 0.25";
-        # crossover rows only for a part that says "crossover" ("Sk32k 0.0625" means the DECODE rows)
-        def chosen_by(part: str, shape: Shape) -> bool:
-            part = part.strip()
-            return part in f"{shape.name} {shape.density:.4g}" and ("crossover" in part or shape not in CROSSOVER)
-        shapes = [s for s in shapes if any(chosen_by(part, s) for part in args.shapes.split(","))]
+    shapes = select_shapes(args.shapes)
     print(f"GPU: {torch.cuda.get_device_name()}  torch {torch.__version__}", flush=True)
     print(f"FA-4 backend: {cute.missing_runtime() or 'available'}", flush=True)
     if args.pristine_fa4:
