@@ -90,11 +90,13 @@ def choose(call: SparseCall) -> Tuple[str, str]:
                  f"'fa4' cannot run this call: {unsupported}")
         return "fa4", "requested"
     backend, why = _fa2_or_fa4(call, unsupported)
-    if fa3_why := _fa3_reason(call):
-        if backend == "fa2":
-            return "fa3", f"{fa3_why} ({why})"
-        if fa4.packs_query_heads(call.q, call.k, call.blocks) or _query_rows(call) < FA3_MIN_QUERY_ROWS:
-            return backend, why  # FA-4 packing GQA heads led FA-3 at every crossover point (runs 115, 141)
+    if backend == "fa2":
+        fa3_why = _fa3_reason(call)
+        return ("fa3", f"{fa3_why} ({why})") if fa3_why else (backend, why)
+    # From FA-4 only prefill-shaped calls whose GQA heads it does not pack: FA-4 packing them led
+    # FA-3 at every crossover point (runs 115, 141), and at decode FA-4 leads under graph replay.
+    if (not fa4.packs_query_heads(call.q, call.k, call.blocks) and _query_rows(call) >= FA3_MIN_QUERY_ROWS
+            and _fa3_reason(call)):
         if call.causal:
             return "fa3", "causal prefill: FA-3 ahead of FA-4 at 1/4 and 1/16 of the blocks, level with all"
         n_blocks = cdiv(call.max_seqlen_k, call.blocks.block_size)
@@ -155,7 +157,7 @@ def _fa3_reason(call: SparseCall) -> Optional[str]:
     rows = _query_rows(call)
     if rows >= FA3_MIN_QUERY_ROWS:
         why = f"{rows:g} query rows: FA-3's tiles run about 1.8x FA-2's"
-    elif (packed := fa3.packed_rows(call)) >= FA3_MIN_PACKED_ROWS:
+    elif (packed := rows * fa3.packed_group(call)) >= FA3_MIN_PACKED_ROWS:
         why = f"{packed:g} query rows of a K/V head packed in FA-3's tile: level with FA-2 at 32, ahead by 8-27% from 64"
     else:
         return None

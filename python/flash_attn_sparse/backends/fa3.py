@@ -31,11 +31,10 @@ def refusal(call) -> Optional[str]:
     return reason or fa3_ops.missing_build()
 
 
-def packed_rows(call) -> float:
-    """Query rows of one sequence (a varlen call's on average) in the kernel's tile rows: times the
-    GQA group where the query heads of a K/V head share a tile (shared or per-K/V-head lists)."""
-    rows = call.q.shape[0] / max(call.batch, 1) if call.varlen else call.max_seqlen_q
-    return rows * fa3_ops.packed_group(call.q, call.k, call.effective_blocks(), call.max_seqlen_q)
+def packed_group(call) -> int:
+    """Query heads whose rows share one of the kernel's tiles: the GQA group where the query heads
+    of a K/V head are packed (shared or per-K/V-head lists), else 1."""
+    return fa3_ops.packed_group(call.q, call.k, call.effective_blocks(), call.max_seqlen_q)
 
 
 def num_splits(call) -> int:
