@@ -225,11 +225,14 @@ def report_unit_times(tree: Path, before: dict[Path, int], out: Path) -> None:
 
 
 def _run_with_progress(command: list[str], cwd: Path, env: dict, log_path: Path, prefix: str = "") -> int:
-    """Run the build, logging everything and echoing ninja's [n/N] progress and errors."""
+    """Run the build, logging everything (each line after the seconds since the start, so the log
+    shows where the time outside the compile units goes: setup, link, packaging) and echoing
+    ninja's [n/N] progress and errors."""
+    start = time.monotonic()
     with open(log_path, "w") as log, subprocess.Popen(command, cwd=cwd, env=env, stdout=subprocess.PIPE,
                                                       stderr=subprocess.STDOUT, text=True, bufsize=1) as process:
         for line in process.stdout:
-            log.write(line)
+            log.write(f"[{time.monotonic() - start:6.1f}] {line}")
             progress = NINJA_PROGRESS.match(line)
             if progress:
                 source = re.search(r"(\S+\.(?:cu|cpp))\b", line)

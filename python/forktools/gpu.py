@@ -178,6 +178,8 @@ def prepare_wheel(session: Session) -> Path | None:
                            *(["--no-fa3"] if options.no_fa3 else []), output=build_log)
     session.act("copy build/logs/build-dev.log to logs/build-full.log", _copy_if_there,
                 session.root / "build/logs/build-dev.log", session.logs / "build-full.log")
+    session.act("copy build/logs/build-fa3-dev.log to logs/build-fa3-full.log", _copy_if_there,
+                session.root / "build/logs/build-fa3-dev.log", session.logs / "build-fa3-full.log")
     for units in ("units-flash-attn.txt", "units-flash-attn-3.txt"):  # per-unit compile times (build.report_unit_times)
         session.act(f"copy build/logs/{units} to logs/", _copy_if_there, session.root / "build/logs" / units, session.logs / units)
     wheel = session.newest("flash_attn-*.whl", exclude="mutant")

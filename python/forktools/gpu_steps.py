@@ -421,6 +421,12 @@ def host_time(session) -> str:
     return f"host time: {'host-time.md' if (session.out / 'host-time.md').exists() else 'FAILED (see host-time.log)'}"
 
 
+def eager_ab(session) -> str:
+    log = session.logs / "eager-ab.log"
+    session.run([PY, "benchmarks/eager_ab.py", "--out", session.out], output=log, timeout=300)
+    return f"eager A/B: {'eager-ab.md' if (session.out / 'eager-ab.md').exists() else 'FAILED (see eager-ab.log)'}"
+
+
 def host_profile(session) -> str:
     """cProfile of the one-shot call per backend (benchmarks/one_shot_profile.py), into logs/: the
     device tool returns few files, and the logs come back as one tarball."""
@@ -489,6 +495,8 @@ STEPS = {
     "upstream-fa3": ("upstream FA-3 hopper/test_flash_attn.py forward tests on flash_attn_3 (--upstream-fa3-k)", upstream_fa3),
     "distributed": ("the context-parallel tests on one GPU (tests/test_distributed_gpu.py)", distributed),
     "host-time": ("benchmarks/host_time.py: where plan.run's and the one-shot call's host time goes, per backend", host_time),
+    "eager-ab": ("benchmarks/eager_ab.py: backend=\"fa3\" and auto's eager FA-3 in turns, with the kernels each launches",
+                 eager_ab),
     "host-profile": ("benchmarks/one_shot_profile.py: cProfile of the one-shot call per backend, into logs/", host_profile),
     "client-bench": ("examples/transformers_quest.py --bench at 32k, 1/8: tokens/s eager and graphed vs dense SDPA", client_bench),
 }
