@@ -51,8 +51,8 @@ from flash_attn_sparse.backends import cute, fa3_ops, fa4  # noqa: E402
 BLOCK = 128
 ROTATIONS = 4
 # eager_and_host's call counts: the eager column is the median of EAGER_PASSES passes of
-# EAGER_CALLS calls, so a one-off stall in one pass does not set it (run 146's single pass read
-# auto's eager FA-3 15-20% above backend="fa3" on two rows, the same kernel; not yet explained)
+# EAGER_CALLS calls, so a one-off stall in one pass does not set it. Passes of one route spread by
+# up to 13% at prefill (run 150, eager_ab.py), so compare eager columns of different rows loosely.
 EAGER_WARMUP, EAGER_CALLS, EAGER_PASSES, HOST_CALLS = 10, 100, 3, 200
 DEFAULT_METHODS = ",".join(("copy", "read_listed", "fa2_sparse", "fa3_sparse", "fa4_sparse", "fa4_direct", "auto", "plan_run",
                             "fa2_dense", "fa3_dense_listed", "fa3_dense_listed_128", "fa2_dense_listed", "cudnn_listed",
