@@ -52,7 +52,8 @@ BLOCK = 128
 ROTATIONS = 4
 # eager_and_host's call counts: the eager column is the median of EAGER_PASSES passes of
 # EAGER_CALLS calls, so a one-off stall in one pass does not set it. Passes of one route spread by
-# up to 13% at prefill (run 150, eager_ab.py), so compare eager columns of different rows loosely.
+# up to 13% at prefill (run 150, eager_ab.py): two methods' eager columns can differ that much
+# with the same kernel. eager_ab.py times two routes in turns where that matters.
 EAGER_WARMUP, EAGER_CALLS, EAGER_PASSES, HOST_CALLS = 10, 100, 3, 200
 DEFAULT_METHODS = ",".join(("copy", "read_listed", "fa2_sparse", "fa3_sparse", "fa4_sparse", "fa4_direct", "auto", "plan_run",
                             "fa2_dense", "fa3_dense_listed", "fa3_dense_listed_128", "fa2_dense_listed", "cudnn_listed",
