@@ -645,6 +645,18 @@ def test_unit_times_are_the_units_this_build_compiled_slowest_first(tmp_path):
     assert out.read_text().splitlines()[0].split() == ["120.0", "s", "flash_fwd_hdim128_bf16_sparse_sm90.o", "(0-120", "s)"]
 
 
+def test_the_build_log_times_each_line_and_the_console_gets_ninjas_progress(tmp_path, capsys):
+    """The log says when each line came (where a build's time outside its units goes)."""
+    from forktools import build
+    script = "print('setup'); print('[1/2] nvcc -c unit_a.cu'); print('error: unit_b.cu failed')"
+    log = tmp_path / "build.log"
+    assert build._run_with_progress([sys.executable, "-c", script], tmp_path, dict(os.environ), log, prefix="fa3 ") == 0
+    lines = log.read_text().splitlines()
+    assert [line.split("] ", 1)[1] for line in lines] == ["setup", "[1/2] nvcc -c unit_a.cu", "error: unit_b.cu failed"]
+    assert all(float(line[1:line.index("]")]) >= 0 for line in lines)
+    assert capsys.readouterr().out.splitlines() == ["  fa3 [1/2] unit_a.cu", "  fa3 error: unit_b.cu failed"]
+
+
 def test_a_wheel_label_hashes_its_own_upstreams_patches_not_the_others(tmp_path):
     """An FA-3 patch rebuilds the FA-3 wheel only (the FA-2 wheel's label hashes the FA-2 and
     FA-4 patches, its [hopper] extra naming FA-4's); the two builds took ~490 s together."""
