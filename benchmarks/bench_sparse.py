@@ -222,15 +222,7 @@ def eager_and_host(fn):
     try:
         for _ in range(EAGER_WARMUP):
             fn()
-        passes = []
-        for _ in range(EAGER_PASSES):
-            torch.cuda.synchronize()
-            start = time.perf_counter()
-            for _ in range(EAGER_CALLS):
-                fn()
-            torch.cuda.synchronize()
-            passes.append((time.perf_counter() - start) * 1e3 / EAGER_CALLS)
-        eager_ms = statistics.median(passes)
+        eager_ms = statistics.median(eager_pass(fn) for _ in range(EAGER_PASSES))
     except Exception as error:  # the graph-replay ms stands; this column is NaN
         failed.append(f"eager timing failed: {type(error).__name__}: {str(error)[:100]}")
     try:
@@ -238,6 +230,16 @@ def eager_and_host(fn):
     except Exception as error:
         failed.append(f"host timing failed: {type(error).__name__}: {str(error)[:100]}")
     return eager_ms, host_us, "; ".join(failed)
+
+
+def eager_pass(fn, calls: int = EAGER_CALLS) -> float:
+    """ms per call of `calls` back-to-back eager calls of fn, synchronized before and after."""
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - start) * 1e3 / calls
 
 
 def host_us_after_sync(fn, calls: int = HOST_CALLS) -> float:

@@ -11,9 +11,9 @@ fa3 0.989-1.016, one route's passes spread by up to 13%: the earlier gaps were d
 """
 
 import argparse
+import random
 import statistics
 import sys
-import time
 from collections import defaultdict
 from pathlib import Path
 
@@ -24,20 +24,9 @@ import bench_sparse as bench  # noqa: E402  (puts python/ on the path)
 import flash_attn_sparse as fas  # noqa: E402
 from flash_attn_sparse.backends import cute  # noqa: E402
 
-CALLS = 100
 # The crossover rows where run 148 read auto's eager FA-3 above (or below) backend="fa3".
 SHAPES = [bench.Shape(f"B1 Sq{sq} H32/8 Sk16k", 1, sq, 16384, 32, 8, density)
           for sq, density in ((512, 0.25), (1024, 0.25), (1024, 0.0625), (2048, 0.25), (2048, 0.0625), (4096, 0.0625))]
-
-
-def eager_pass(fn, calls: int = CALLS) -> float:
-    """ms per call of `calls` back-to-back eager calls, synchronized before and after."""
-    torch.cuda.synchronize()
-    start = time.perf_counter()
-    for _ in range(calls):
-        fn()
-    torch.cuda.synchronize()
-    return (time.perf_counter() - start) * 1e3 / calls
 
 
 def kernels(fn, calls: int = 10) -> dict:
@@ -61,11 +50,11 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=5)
     args = parser.parse_args()
     fa4_here = not cute.missing_runtime()
-    lines = [f"# eager A/B, {torch.cuda.get_device_name()}, {args.rounds} rounds of {CALLS} calls per route", "",
+    lines = [f"# eager A/B, {torch.cuda.get_device_name()}, {args.rounds} rounds of {bench.EAGER_CALLS} calls per route", "",
              "| shape | density | fa3 ms (median, range) | auto ms | auto after fa4 ms | auto / fa3 | routes |",
              "|---|---|---|---|---|---|---|"]
     details = []
-    rng = __import__("random").Random(0)
+    rng = random.Random(0)
     for shape in SHAPES:
         q, k, v = (torch.randn(shape.batch, s, h, shape.head_dim, device="cuda", dtype=torch.bfloat16)
                    for s, h in ((shape.seqlen_q, shape.heads), (shape.seqlen_k, shape.heads_k), (shape.seqlen_k, shape.heads_k)))
@@ -75,15 +64,15 @@ def main() -> None:
             routes["fa4"] = bench.rotating_sparse_call(q, k, v, tables, backend="fa4")
         eager = fas.choose_backend(q, k, v, tables[0], graph=False)
         for fn in routes.values():
-            for _ in range(10):
+            for _ in range(bench.EAGER_WARMUP):
                 fn()
         times = defaultdict(list)
         for _ in range(args.rounds):
             for name in ("fa3", "auto"):
-                times[name].append(eager_pass(routes[name]))
+                times[name].append(bench.eager_pass(routes[name]))
             if fa4_here:
-                eager_pass(routes["fa4"], 20)
-                times["auto after fa4"].append(eager_pass(routes["auto"]))
+                bench.eager_pass(routes["fa4"], 20)
+                times["auto after fa4"].append(bench.eager_pass(routes["auto"]))
         med = {name: statistics.median(t) for name, t in times.items()}
         after = f"{med['auto after fa4']:.4f}" if "auto after fa4" in med else "n/a"
         lines.append(f"| {shape.name} | {shape.density:.4g} | {med['fa3']:.4f} ({min(times['fa3']):.4f}-{max(times['fa3']):.4f}) | "
