@@ -21,7 +21,8 @@ from torch import Tensor
 from ..metadata import SparseBlocks
 
 BLOCK_SIZE = 128  # kSparseBlockSize: one K/V block is one kernel tile_n
-TILE_M = 128  # query rows of a tile (tile_size_fwd_sm90_sparse), shared by the packed heads
+TILE_M = 128  # query rows of a tile (tile_size_fwd_sm90_sparse), shared by the packed heads; packed split
+# calls run 64-row tiles, whose rows divide these, so the host's rules below hold for both
 HEAD_DIMS = (64, 128)  # the instantiated head dims (generate_kernels_sparse.py)
 
 

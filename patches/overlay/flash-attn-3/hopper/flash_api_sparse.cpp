@@ -170,8 +170,9 @@ SparseLaunch prepare_sparse(
                 "list head extent must be 1, num_heads_k or num_heads, got ", table_heads);
     TORCH_CHECK((varlen ? full_idx.size(0) : full_idx.size(1)) == table_heads, "full_idx must have the head extent of full_cnt");
 
-    // Tile: the host copy of the launch template's choice.
-    int const kBlockM = std::get<0>(flash::tile_size_fwd_sm90_sparse(head_size));
+    // Tile: the host copy of the launch template's choice. Packing is decided on the 128-row tile;
+    // a packed split call then runs 64-row tiles (below), whose query rows divide these.
+    int const kBlockM = std::get<0>(flash::tile_size_fwd_sm90_sparse(head_size, false, false));
     int const group = num_heads / num_heads_k;
     bool const can_pack = table_heads != num_heads || group == 1;
     bool const pack_fits = kBlockM % group == 0 && q_block_size % (kBlockM / group) == 0;
@@ -233,15 +234,25 @@ SparseLaunch prepare_sparse(
     }
     // bidh in the kernel is the query head, or the K/V head under PackGQA.
     sp.head_ratio = (pack ? num_heads_k : num_heads) / table_heads;
-    sp.tiles_per_row = q_block_size / q_rows_per_tile;
 
-    int const num_m_blocks = (seqlen_q * (pack ? group : 1) + kBlockM - 1) / kBlockM;
-    int const num_tiles = batch_size * (pack ? num_heads_k : num_heads) * num_m_blocks;
+    auto num_tiles = [&](int tile_m) {
+        return batch_size * (pack ? num_heads_k : num_heads) * ((seqlen_q * (pack ? group : 1) + tile_m - 1) / tile_m);
+    };
     int const n_blocks_k = (seqlen_k + kSparseBlockSize - 1) / kSparseBlockSize;
     int const max_list_blocks = varlen ? n_blocks_k
         : std::min<int>(n_blocks_k, full_idx.size(3) * (mask_idx.has_value() ? 2 : 1));
-    params.num_splits = num_splits > 0 ? int(std::min<int64_t>(num_splits, kSparseMaxSplits))
-                                       : auto_num_splits(num_tiles, params.num_sm, max_list_blocks);
+    int splits = num_splits > 0 ? int(std::min<int64_t>(num_splits, kSparseMaxSplits))
+                                : auto_num_splits(num_tiles(kBlockM), params.num_sm, max_list_blocks);
+    int tile_m = kBlockM;
+    int const narrow_m = std::get<0>(flash::tile_size_fwd_sm90_sparse(head_size, true, true));
+    if (pack && splits > 1 && narrow_m % group == 0) {
+        // The packed split kernel's tiles: the automatic count is taken again over them (more
+        // tiles when the packed rows exceed 64); if that leaves nothing to split, 128 rows stay.
+        int const narrow_splits = num_splits > 0 ? splits : auto_num_splits(num_tiles(narrow_m), params.num_sm, max_list_blocks);
+        if (narrow_splits > 1) { tile_m = narrow_m; splits = narrow_splits; }
+    }
+    params.num_splits = splits;
+    sp.tiles_per_row = q_block_size / (tile_m / (pack ? group : 1));
 #ifdef FLASHATTENTION_DISABLE_SPLIT
     TORCH_CHECK(params.num_splits == 1, "This flash attention build does not support splits.");
 #endif

@@ -37,9 +37,11 @@ namespace flash {
 // Tile of the sparse kernels, {kBlockM, kBlockN, MmaPV_is_RS, IntraWGOverlap}, used by the
 // launch template and by the host entry point (flash_api_sparse.cpp). Head dim 128 takes its
 // dense causal configuration; head dim 64 takes 128 query rows instead of the dense 192, so that
-// query tiles of 128 rows map onto whole kernel tiles.
-constexpr std::tuple<int, int, bool, bool> tile_size_fwd_sm90_sparse(int /*headdim*/) {
-    return {128, kSparseBlockSize, true, true};
+// query tiles of 128 rows map onto whole kernel tiles. PackGQA split calls are decode-shaped (few
+// packed rows per K/V head, too few tiles to fill the SMs): they take 64 rows, one MMA warpgroup,
+// which halves the matmul work of each memory-bound step (B8 Sq16 H32/8 packs 64 rows).
+constexpr std::tuple<int, int, bool, bool> tile_size_fwd_sm90_sparse(int /*headdim*/, bool split, bool pack_gqa) {
+    return {split && pack_gqa ? 64 : 128, kSparseBlockSize, true, true};
 }
 
 }  // namespace flash
