@@ -21,8 +21,8 @@ from torch import Tensor
 from ..metadata import SparseBlocks
 
 BLOCK_SIZE = 128  # kSparseBlockSize: one K/V block is one kernel tile_n
-TILE_M = 128  # query rows of a tile (tile_size_fwd_sm90_sparse), shared by the packed heads; packed split
-# calls run 64-row tiles, whose rows divide these, so the host's rules below hold for both
+TILE_M = 128  # query rows of a tile (tile_size_fwd_sm90_sparse), shared by the packed heads
+PACKED_SPLIT_TILE_M = 64  # packed split calls' tile (decode): its rows divide TILE_M's
 HEAD_DIMS = (64, 128)  # the instantiated head dims (generate_kernels_sparse.py)
 
 
@@ -52,7 +52,7 @@ def _on_sm90(q: Tensor) -> bool:
 def _packs_query_heads(group: int, list_heads: int, num_heads: int, q_block_size: int) -> bool:
     """The host's PackGQA choice (pack_gqa=None): the query heads of a K/V head share a tile when
     the lists are shared or per K/V head and a query block is a whole number of packed rows."""
-    return (group > 1 and (list_heads != num_heads or group == 1) and TILE_M % group == 0
+    return (group > 1 and (list_heads != num_heads or group == 1) and PACKED_SPLIT_TILE_M % group == 0
             and q_block_size % (TILE_M // group) == 0)
 
 

@@ -173,9 +173,10 @@ SparseLaunch prepare_sparse(
     // Tile: the host copy of the launch template's choice. Packing is decided on the 128-row tile;
     // a packed split call then runs 64-row tiles (below), whose query rows divide these.
     int const kBlockM = std::get<0>(flash::tile_size_fwd_sm90_sparse(head_size, false, false));
+    int const kBlockMPackedSplit = std::get<0>(flash::tile_size_fwd_sm90_sparse(head_size, true, true));
     int const group = num_heads / num_heads_k;
     bool const can_pack = table_heads != num_heads || group == 1;
-    bool const pack_fits = kBlockM % group == 0 && q_block_size % (kBlockM / group) == 0;
+    bool const pack_fits = kBlockMPackedSplit % group == 0 && q_block_size % (kBlockM / group) == 0;
     bool const pack = group > 1 && can_pack && pack_fits && pack_gqa.value_or(true);
     TORCH_CHECK(!(pack_gqa.value_or(false) && group > 1 && !pack), "pack_gqa needs shared or per-K/V-head lists and q_block_size a multiple of ", kBlockM, " / group");
     int const q_rows_per_tile = kBlockM / (pack ? group : 1);
@@ -244,12 +245,14 @@ SparseLaunch prepare_sparse(
     int splits = num_splits > 0 ? int(std::min<int64_t>(num_splits, kSparseMaxSplits))
                                 : auto_num_splits(num_tiles(kBlockM), params.num_sm, max_list_blocks);
     int tile_m = kBlockM;
-    int const narrow_m = std::get<0>(flash::tile_size_fwd_sm90_sparse(head_size, true, true));
-    if (pack && splits > 1 && narrow_m % group == 0) {
-        // The packed split kernel's tiles: the automatic count is taken again over them (more
-        // tiles when the packed rows exceed 64); if that leaves nothing to split, 128 rows stay.
-        int const narrow_splits = num_splits > 0 ? splits : auto_num_splits(num_tiles(narrow_m), params.num_sm, max_list_blocks);
-        if (narrow_splits > 1) { tile_m = narrow_m; splits = narrow_splits; }
+    if (pack && splits > 1) {
+        // The packed split kernel has 64-row tiles. Whether to split stays the 128-row tiles'
+        // answer; an automatic count is taken again over the 64-row ones (more of them when the
+        // packed rows exceed 64), at least two.
+        tile_m = kBlockMPackedSplit;
+        if (num_splits <= 0) {
+            splits = std::max(2, auto_num_splits(num_tiles(tile_m), params.num_sm, max_list_blocks));
+        }
     }
     params.num_splits = splits;
     sp.tiles_per_row = q_block_size / (tile_m / (pack ? group : 1));
