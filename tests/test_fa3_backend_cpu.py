@@ -30,6 +30,19 @@ def lists(width=3, mask_width=None):
     return SparseBlocks(full_cnt, full_idx, full_cnt.clone(), torch.zeros(B, HK, 1, mask_width, dtype=torch.int32), block_size=128)
 
 
+@pytest.mark.parametrize("group, list_heads, q_block_size, packs", [
+    (4, 1, 128, True), (4, 8, 128, True), (4, 32, 128, False),  # per-query-head lists never pack
+    (64, 1, 128, True),  # 2 query rows per 128-row tile, 1 per 64-row tile of a packed split call
+    (128, 1, 128, False),  # a packed split call's 64-row tile cannot hold the group
+    (4, 1, 16, False),  # a 128-row tile's 32 query rows would straddle 16-row query blocks
+])
+def test_query_heads_pack_only_where_both_tiles_hold_whole_rows(group, list_heads, q_block_size, packs):
+    """The host's PackGQA rule (flash_api_sparse.cpp mirrors it): the group divides the packed
+    split kernel's 64 rows, and query blocks are whole 128-row tiles' packed rows."""
+    num_heads = 32 * group if group > 32 else 32
+    assert fa3_ops._packs_query_heads(group, list_heads, num_heads, q_block_size) is packs
+
+
 def test_the_host_rules_are_refused_with_their_reason(sm90):
     q, k, _ = qkv()
     assert fa3_ops.refusal(q, k, lists(), varlen=False) is None
