@@ -178,7 +178,8 @@ SparseLaunch prepare_sparse(
     bool const can_pack = table_heads != num_heads || group == 1;
     bool const pack_fits = kBlockMPackedSplit % group == 0 && q_block_size % (kBlockM / group) == 0;
     bool const pack = group > 1 && can_pack && pack_fits && pack_gqa.value_or(true);
-    TORCH_CHECK(!(pack_gqa.value_or(false) && group > 1 && !pack), "pack_gqa needs shared or per-K/V-head lists and q_block_size a multiple of ", kBlockM, " / group");
+    TORCH_CHECK(!(pack_gqa.value_or(false) && group > 1 && !pack), "pack_gqa needs shared or per-K/V-head lists, a GQA group dividing ", kBlockMPackedSplit,
+                " and q_block_size a multiple of ", kBlockM, " / group");
     int const q_rows_per_tile = kBlockM / (pack ? group : 1);
     TORCH_CHECK(q_block_size > 0 && q_block_size % q_rows_per_tile == 0, "q_block_size must be a positive multiple of ", q_rows_per_tile, " here");
     if (!varlen) {
