@@ -18,6 +18,9 @@
 # (the wheel ships flash_attn_sparse), so after a Python-only change pass --reuse-fa2-wheel:
 # the carried wheels are installed unbuilt (FA-3's when its label is this commit's) and python/
 # goes first on the path; without it such a change rebuilds FA-2 (184 s, run 115).
+# The runner stops its own work 560 s after it starts (--deadline-s), so that its summary and
+# logs.tar.gz come back before the device tool's 600 s limit; pass a smaller --deadline-s with a
+# smaller timeout_s.
 set -uo pipefail
 out=${OUT:-/tmp/gpu-session-out}
 mkdir -p "$out/logs"

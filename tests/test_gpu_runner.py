@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -167,6 +168,36 @@ def test_a_failing_step_makes_the_exit_non_zero_and_the_summary_says_so(tmp_path
     summary = (out / "summary.txt").read_text()
     assert "| tests | 3 |" in summary and "it failed" in summary
     assert (out / "logs.tar.gz").exists() and not (out / "logs").exists()
+
+
+def test_the_deadline_cuts_a_command_with_its_children_and_skips_later_steps(tmp_path, monkeypatch):
+    """The device tool kills a call at its limit with no summary (run 157); --deadline-s stops
+    first: the running command and the processes below it are killed, later steps are not started, and the
+    summary and the logs tarball are written."""
+    monkeypatch.setattr(gpu, "describe_machine", lambda session: None)
+    monkeypatch.setattr(gpu, "prepare_wheel", lambda session: tmp_path / "flash_attn-1.whl")
+    monkeypatch.setattr(gpu, "install", lambda session, wheel: True)
+    late = tmp_path / "written-by-a-grandchild"
+    grandchild = f"import time, pathlib; time.sleep(3); pathlib.Path({str(late)!r}).write_text('late')"
+    child = f"import subprocess, sys, time; subprocess.Popen([sys.executable, '-c', {grandchild!r}]); time.sleep(60)"
+
+    def slow(session):
+        session.run([sys.executable, "-c", child], output=session.logs / "slow.log")
+        return "slow step"
+
+    monkeypatch.setitem(gpu_steps.STEPS, "tests", ("a slow stand-in", slow))
+    monkeypatch.setitem(gpu_steps.STEPS, "bench", ("never reached", lambda session: pytest.fail("started past the deadline")))
+    out = tmp_path / "out"
+    started = time.monotonic()
+    code = main(["gpu", "--out", str(out), "--scratch", str(tmp_path / "scratch"), "--deadline-s", "1", "tests", "bench"])
+    assert time.monotonic() - started < 20
+    assert code == 1
+    summary = (out / "summary.txt").read_text()
+    assert "| tests | 124 |" in summary and "deadline: cut after 1 s" in summary
+    assert "| bench | 124 | 0 | not started: past --deadline-s |" in summary
+    assert (out / "logs.tar.gz").exists()
+    time.sleep(4)
+    assert not late.exists(), "the command's own child outlived the cut"
 
 
 def test_the_mutation_step_succeeds_when_its_tests_fail(tmp_path, monkeypatch):

@@ -46,6 +46,8 @@ class Session:
     fa4_wheel: Path | None = None
     mutant_wheel: Path | None = None
     return_wheels: bool = True  # tar the wheels into $OUT (prepare_wheel: only those built here)
+    # time.monotonic() past which no command starts and running ones are cut (--deadline-s)
+    deadline: float | None = None
 
     @property
     def logs(self) -> Path:
@@ -59,27 +61,44 @@ class Session:
         print(text, flush=True)
         self.notes.append(text)
 
+    def seconds_left(self) -> float | None:
+        return None if self.deadline is None else self.deadline - time.monotonic()
+
     def run(self, command: list, output: Path | None = None, append: bool = False, timeout: int | None = None,
             env: dict | None = None, stderr: Path | None = None, cwd: Path | None = None) -> int:
         """Run `command` from the repo root in the session's environment (plus `env`), its stdout
-        (and stderr, unless `stderr` names a file) into `output`; 124 when it passed `timeout` s."""
+        (and stderr, unless `stderr` names a file) into `output`; 124 when it passed `timeout` s or
+        the session's deadline (then it is killed with every process below it: a build's compilers too)."""
         words = [str(word) for word in command]
         line = shlex.join(words) + (f" {'>>' if append else '>'} {output}" if output else "")
         self.commands.append(line)
         if self.dry_run:
             print(f"+ {line}")
             return 0
+        left = self.seconds_left()
+        if left is not None and left <= 0:
+            self.note(f"deadline: not started: {line}")
+            self.worst_rc, self.last_rc = max(self.worst_rc, 124), 124
+            return 124
+        limits = [t for t in (timeout, left) if t is not None]
+        limit = min(limits) if limits else None
         full_env = {**os.environ, **self.env, **(env or {})}
         mode = "a" if append else "w"
         with open(output, mode) if output else _Inherit() as out, open(stderr, "a") if stderr else _Inherit() as err:
             try:
-                rc = subprocess.run(words, cwd=cwd or self.root, env=full_env, timeout=timeout, stdout=out,
-                                    stderr=err if stderr else (subprocess.STDOUT if output else None)).returncode
-            except subprocess.TimeoutExpired:
-                rc = 124
+                child = subprocess.Popen(words, cwd=cwd or self.root, env=full_env, stdout=out,
+                                         stderr=err if stderr else (subprocess.STDOUT if output else None))
             except FileNotFoundError:  # e.g. no ncu on this machine
                 print(f"{words[0]}: not found", file=out or sys.stdout)
                 rc = 127
+            else:
+                try:
+                    rc = child.wait(timeout=limit)
+                except subprocess.TimeoutExpired:
+                    _kill_tree(child)
+                    rc = 124
+                    if left is not None and limit == left:
+                        self.note(f"deadline: cut after {limit:.0f} s: {line}")
         self.worst_rc, self.last_rc = max(self.worst_rc, rc), rc
         return rc
 
@@ -114,6 +133,28 @@ class Session:
 
     def read(self, path: Path) -> str:
         return "" if self.dry_run or not path.exists() else path.read_text(errors="replace")
+
+
+def _kill_tree(child: subprocess.Popen) -> None:
+    """SIGKILL the child and every process below it, parents first, then reap the child. The tree
+    is read from /proc: the children stay in this process group, so a kill of the whole call
+    (the device tool's, at its limit) still reaches them."""
+    below: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            parent = int(stat.read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, IndexError, ValueError):
+            continue
+        below.setdefault(parent, []).append(int(stat.parent.name))
+    pending = [child.pid]
+    while pending:
+        pid = pending.pop(0)
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        pending += below.get(pid, [])
+    child.wait()
 
 
 class _Inherit:
@@ -293,7 +334,8 @@ def run_session(root: Path, options: argparse.Namespace) -> int:
               file=sys.stderr)
         return 2
     session = Session(root=root, out=options.out.resolve(), scratch=options.scratch.resolve(), options=options,
-                      dry_run=options.dry_run)
+                      dry_run=options.dry_run,
+                      deadline=time.monotonic() + options.deadline_s if options.deadline_s > 0 else None)
     if not options.dry_run:
         session.logs.mkdir(parents=True, exist_ok=True)
     session.env["PYTHONUNBUFFERED"] = "1"
@@ -305,6 +347,10 @@ def run_session(root: Path, options: argparse.Namespace) -> int:
         if wheel is None or not install(session, wheel):
             return 1
         for name in options.steps:
+            left = session.seconds_left()
+            if left is not None and left <= 0:
+                rows.append((name, 124, 0, "not started: past --deadline-s"))
+                continue
             print(f"== {time.strftime('%H:%M:%S')} {name}", flush=True)
             session.worst_rc, start = 0, time.monotonic()
             note = gpu_steps.STEPS[name][1](session)
@@ -364,6 +410,10 @@ def add_parser(commands) -> None:
                          help="sanitize step: more tests/sanitize.py arguments (--tools, --only fa3, --module-loading eager)")
     command.add_argument("--sanitize-fuzz-count", type=int, default=30, metavar="N",
                          help="sanitize-fuzz's configurations (30 took 237 s for the three tools on the H200, run 96)")
+    command.add_argument("--deadline-s", type=float, default=560, metavar="S",
+                         help="S seconds after the start no command starts and running ones are killed, so the summary "
+                              "and logs.tar.gz are written before the device tool's 600 s limit kills the call (run 157 "
+                              "lost both); 0: none")
     command.add_argument("--fuzz-seed", type=int, default=0)
     command.add_argument("--fuzz-budget-s", type=int, default=240,
                          help="fuzz: seconds after which no configuration is drawn (2,000 took 89 s, run 89)")
