@@ -172,6 +172,34 @@ def test_query_tiles_and_pack_gqa(q_block_size, heads, heads_k, table):
     check_batched(out, lse, q, k, v, full_cnt, full_idx, None, None, q_block_size, False, scale)
 
 
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("seqlen_q,q_block_size,num_splits", [(16, 128, 0), (48, 32, 3), (200, 64, 2), (384, 128, 0)])
+def test_packed_split_calls_map_64_row_tiles_onto_their_query_blocks(seqlen_q, q_block_size, num_splits, head_dim,
+                                                                      causal):
+    """Packed split calls run 64-row tiles (session 32): 16 query rows of a K/V head's 4 heads per
+    tile, so 2-8 tiles share one list row here, and a tile's rows end mid-way through a 128-row
+    one. At Sq384 the automatic count over 48 tiles of 128 rows is 2 and over 96 of 64 rows 1: the
+    host keeps two splits on the 64-row kernel (its first rule kept 128-row tiles there, which the
+    kernel does not have: run 158)."""
+    batch, heads, heads_k, seqlen_k = 2, 8, 2, 1000
+    rng = random.Random(seqlen_q * 31 + head_dim + causal)
+    q, k, v = make_qkv(batch, seqlen_q, seqlen_k, heads, heads_k, head_dim, torch.bfloat16, seed=rng.randrange(1 << 30))
+    m_blocks, n_blocks = math.ceil(seqlen_q / q_block_size), math.ceil(seqlen_k / BLOCK)
+    if causal:
+        full, mask = causal_split_rows(rng, batch, heads_k, m_blocks, q_block_size, seqlen_q, seqlen_k, keep=0.7)
+    else:  # the partial tail block anywhere in half the rows
+        full = [[[gapped_permuted(rng, n_blocks, 0.5, must=[n_blocks - 1] if (b + h + m) % 2 else [])
+                  for m in range(m_blocks)] for h in range(heads_k)] for b in range(batch)]
+        mask = [[[[] for _ in range(m_blocks)] for _ in range(heads_k)] for _ in range(batch)]
+    width = max(max(len(r) for pb in rows for ph in pb for r in ph) for rows in (full, mask)) or 1
+    full_cnt, full_idx = pack_rows(full, width)
+    mask_cnt, mask_idx = pack_rows(mask, width)
+    out, lse, scale = run_sparse(q, k, v, full_cnt, full_idx, mask_cnt, mask_idx, q_block_size=q_block_size,
+                                 causal=causal, num_splits=num_splits, pack_gqa=True)
+    check_batched(out, lse, q, k, v, full_cnt, full_idx, mask_cnt, mask_idx, q_block_size, causal, scale)
+
+
 @pytest.mark.parametrize("num_splits", [1, 3])
 def test_bad_ids_and_counts(num_splits):
     """Counts above the capacity are clamped, negative ones read as 0; ids outside
