@@ -23,25 +23,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_sparse as bench  # noqa: E402  (puts python/ on the path)
 import flash_attn_sparse as fas  # noqa: E402
 from flash_attn_sparse.backends import cute  # noqa: E402
+from profile_decode import kernel_breakdown  # noqa: E402
 
 # The crossover rows where run 148 read auto's eager FA-3 above (or below) backend="fa3".
 SHAPES = [bench.Shape(f"B1 Sq{sq} H32/8 Sk16k", 1, sq, 16384, 32, 8, density)
           for sq, density in ((512, 0.25), (1024, 0.25), (1024, 0.0625), (2048, 0.25), (2048, 0.0625), (4096, 0.0625))]
-
-
-def kernels(fn, calls: int = 10) -> dict:
-    """{kernel name: (launches, mean us)} over `calls` eager calls of fn."""
-    from torch.profiler import ProfilerActivity, profile
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(calls):
-            fn()
-        torch.cuda.synchronize()
-    found = defaultdict(list)
-    for event in prof.events():
-        if event.device_type == torch.autograd.DeviceType.CUDA:
-            found[event.name[:90]].append(event.device_time)
-    return {name: (len(times), statistics.mean(times)) for name, times in found.items()}
 
 
 def main() -> None:
@@ -80,10 +66,11 @@ def main() -> None:
                      f"{med['auto'] / med['fa3']:.3f} | auto eagerly {eager[0]} |")
         for name in ("fa3", "auto"):
             details.append(f"{shape.name} {shape.density:.4g} {name}: " + "; ".join(
-                f"{kernel} x{count} {mean:.1f} us" for kernel, (count, mean) in sorted(kernels(routes[name]).items())))
+                f"{kernel} x{len(means)} {', '.join(f'{m:.1f}' for m in means)} us"
+                for kernel, means in sorted(kernel_breakdown(routes[name], calls=10).items())))
         del q, k, v, tables, routes
         torch.cuda.empty_cache()
-    text = "\n".join(lines + ["", "Kernels over 10 eager calls (torch.profiler: launches, mean GPU us):", ""]
+    text = "\n".join(lines + ["", "Kernels over 10 eager calls (torch.profiler: launches per call, mean GPU us of each):", ""]
                      + [f"- {d}" for d in details]) + "\n"
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "eager-ab.md").write_text(text)

@@ -55,7 +55,8 @@ def timed(fn):
 
 def short(name: str) -> str:
     for key in ("flash_fwd_sparse_kernel", "flash_sparse_combine_kernel", "flash_fwd_splitkv_combine_kernel",
-                "FlashAttentionForwardSm90", "FlashAttentionForwardCombine", "fill", "arange", "copy",
+                "FlashAttentionForwardSm90", "FlashAttentionForwardCombine", "FlashAttnFwdSm90", "FlashAttnFwdCombine",
+                "fill", "arange", "copy",
                 "pad", "cat"):
         if key in name:
             return key
