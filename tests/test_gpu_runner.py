@@ -118,6 +118,16 @@ def test_the_fa3_mutant_builds_fa3_alone(capsys, tmp_path):
     assert "build --fa3-only" in build and str(gpu_steps.FA3_MUTATION) in build
 
 
+def test_upstream_fa3_tests_run_in_a_freshly_laid_patched_tree(capsys, tmp_path):
+    """With a reused wheel nothing lays out build/wheel/flash-attn-3 (run 162: the step found no
+    folder), and after fa3-mutation that folder holds the mutant's tree: the step lays its own."""
+    commands = dry_run(capsys, "--out", str(tmp_path), "--reuse-fa2-wheel", "fa3-mutation", "upstream-fa3")
+    lay = max(i for i, c in enumerate(commands) if c.startswith("lay the patched flash-attn-3 tree"))
+    pytest_run = next(i for i, c in enumerate(commands) if "test_flash_attn.py" in c)
+    mutant = next(i for i, c in enumerate(commands) if "--mutation" in c)
+    assert mutant < lay < pytest_run
+
+
 def test_fa3_variant_diffs_joined_by_plus_build_as_one_variant(capsys, tmp_path):
     """--fa3-variant a.diff+b.diff: one FA-3 build with both diffs applied, tested and benched once."""
     first, second = (REPO / "benchmarks/experiments" / name for name in ("fa3-static-scheduler.diff", "fa3-combine-pdl.diff"))
