@@ -119,7 +119,7 @@ def test_the_fa3_mutant_builds_fa3_alone(capsys, tmp_path):
 
 
 def test_upstream_fa3_tests_run_in_a_freshly_laid_patched_tree(capsys, tmp_path):
-    """With a reused wheel nothing lays out build/wheel/flash-attn-3 (run 162: the step found no
+    """With a reused wheel nothing lays out build/wheel/flash-attn-3 (run 164: the step found no
     folder), and after fa3-mutation that folder holds the mutant's tree: the step lays its own."""
     commands = dry_run(capsys, "--out", str(tmp_path), "--reuse-fa2-wheel", "fa3-mutation", "upstream-fa3")
     lay = max(i for i, c in enumerate(commands) if c.startswith("lay the patched flash-attn-3 tree"))

@@ -35,14 +35,18 @@ FA4_MIN_SM_SHARE = 0.75
 # heads, when causal (B1 S16k H32: FA-3 ahead by 2-13%) or when the lists' capacity bounds them
 # to 1/16 of the key blocks or less (ahead by 4% at 1/16, behind by 5% at 1/4; the counts
 # themselves are not known without a sync). Where FA-4 packs GQA heads (B1 H32/8 Sk16k, Sq 64 to
-# 2048) it led FA-3 at every point, by 10-32%. Decode-shaped calls that FA-4 takes stay there:
-# under graph replay FA-4 is fastest at every decode shape measured. Where FA-2 would run a
+# 2048) it led FA-3 at every point, by 10-32% (run 161, H100, with FA-3's 64-row tile for packed
+# split calls: FA-3 ahead by 2-5% at Sq64 and Sq128 1/16 only). Decode-shaped calls that FA-4
+# takes stay there: under graph replay FA-4 is fastest at every decode shape measured (level with
+# FA-3 at B1 Sq32, run 161). Where FA-2 would run a
 # decode-shaped call (eagerly, under torch.compile, or without FA-4), FA-3 takes it when it packs
 # at least FA3_MIN_PACKED_ROWS query rows of a K/V head into its tile (GQA, shared or per-K/V-head
 # lists): runs 143 / 146 (H100, graph replay, H32/8 Sk32k 1/16, fa3 / fa2 time) B1 Sq1 1.15 / 1.15,
 # Sq4 1.11 / 1.19, Sq8 0.94 / 1.01, Sq16 0.91 / 0.90, Sq32 0.74 / 0.73; B8 Sq1 0.99 / 1.01, Sq4
 # 1.01 / 1.04, Sq8 0.92 / 0.91, Sq16 0.90 / 0.92, Sq32 0.90 / 0.92 (Sq8 is 32 packed rows; B8 Sq16
-# also 0.925 in run 113, H200).
+# also 0.925 in run 113, H200). With packed split calls on 64-row tiles (run 161, H100, the same
+# shapes): B1 Sq1 1.00, Sq4 1.04, Sq8 0.90, Sq16 0.83, Sq32 0.67; B8 Sq1 0.98, Sq4 1.00, Sq8 0.90,
+# Sq16 0.89, Sq32 0.97: still level or behind under 32 packed rows, so the threshold stands.
 FA3_MIN_QUERY_ROWS = 128
 FA3_MIN_PACKED_ROWS = 32
 FA3_MAX_DENSITY_INVERSE = 16
