@@ -21,7 +21,7 @@ from torch import Tensor
 from ..metadata import SparseBlocks
 
 BLOCK_SIZE = 128  # kSparseBlockSize: one K/V block is one kernel tile_n
-TILE_M = 128  # query rows of a tile (tile_size_fwd_sm90_sparse), shared by the packed heads
+TILE_M = 128  # query rows of the tile packing and splitting are decided on (tile_size_fwd_sm90_sparse)
 PACKED_SPLIT_TILE_M = 64  # packed split calls' tile (decode): its rows divide TILE_M's
 HEAD_DIMS = (64, 128)  # the instantiated head dims (generate_kernels_sparse.py)
 
