@@ -11,7 +11,6 @@ fa3 0.989-1.016, one route's passes spread by up to 13%: the earlier gaps were d
 """
 
 import argparse
-import random
 import statistics
 import sys
 from collections import defaultdict
@@ -40,11 +39,9 @@ def main() -> None:
              "| shape | density | fa3 ms (median, range) | auto ms | auto after fa4 ms | auto / fa3 | routes |",
              "|---|---|---|---|---|---|---|"]
     details = []
-    rng = random.Random(0)
     for shape in SHAPES:
-        q, k, v = (torch.randn(shape.batch, s, h, shape.head_dim, device="cuda", dtype=torch.bfloat16)
-                   for s, h in ((shape.seqlen_q, shape.heads), (shape.seqlen_k, shape.heads_k), (shape.seqlen_k, shape.heads_k)))
-        tables = [bench.to_blocks(bench.make_lists(shape, rng), shape) for _ in range(bench.ROTATIONS)]
+        q, k, v = bench.random_inputs(shape)
+        tables = [bench.to_blocks(lists, shape) for lists in bench.rotated_list_sets(shape)]
         routes = {name: bench.rotating_sparse_call(q, k, v, tables, backend=name) for name in ("fa3", "auto")}
         if fa4_here:
             routes["fa4"] = bench.rotating_sparse_call(q, k, v, tables, backend="fa4")
