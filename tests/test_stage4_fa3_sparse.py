@@ -201,6 +201,37 @@ def test_packed_split_calls_map_64_row_tiles_onto_their_query_blocks(seqlen_q, q
 
 
 @pytest.mark.parametrize("num_splits", [1, 3])
+@pytest.mark.parametrize("position", [0, 32, 40, -2, -1])
+@pytest.mark.parametrize("odd", ["tail", "out_of_range", "out_of_range_causal"])
+def test_one_entry_needing_the_mask_anywhere_in_a_long_list(odd, position, num_splits):
+    """Lists of 60-70 entries, more than one pass of a warp's 32 lanes, where one entry of the
+    first query tile's full list needs the sequence-end mask: the partial tail block or an
+    out-of-range id (also in causal lists, whose mask entries the walk meets first), at entry
+    `position`. A tile's full entries skip the per-entry mask check only when its warps' vote
+    over their ids finds no such entry (patch flash-attn-3/0006), so a vote that missed one would
+    let the keys past the sequence end in. The second tile's lists have none."""
+    causal = odd.endswith("causal")
+    batch, heads, heads_k, seqlen_q, q_block, n_blocks = 1, 4, 2, 256, 128, 81
+    seqlen_k = (n_blocks - 1) * BLOCK + 17
+    rng = random.Random(f"{odd}/{position}/{num_splits}")
+    q, k, v = make_qkv(batch, seqlen_q, seqlen_k, heads, heads_k, 128, torch.bfloat16, seed=rng.randrange(1 << 30))
+    if causal:
+        full, mask = causal_split_rows(rng, batch, heads_k, 2, q_block, seqlen_q, seqlen_k, keep=0.85)
+    else:  # the tail block only where the test puts it
+        full, mask = [[[rng.sample(range(n_blocks - 1), 69) for _ in range(2)] for _ in range(heads_k)]], None
+    odd_id = n_blocks - 1 if odd == "tail" else n_blocks + 5
+    for per_h in full[0]:
+        per_h[0].insert(position if position >= 0 else len(per_h[0]) + 1 + position, odd_id)
+    lists = [full] + ([mask] if mask else [])
+    width = max(len(r) for rows in lists for pb in rows for ph in pb for r in ph)
+    full_cnt, full_idx = pack_rows(full, width)
+    mask_cnt, mask_idx = pack_rows(mask, width) if mask else (None, None)
+    out, lse, scale = run_sparse(q, k, v, full_cnt, full_idx, mask_cnt, mask_idx, q_block_size=q_block, causal=causal,
+                                 num_splits=num_splits)
+    check_batched(out, lse, q, k, v, full_cnt, full_idx, mask_cnt, mask_idx, q_block, causal, scale)
+
+
+@pytest.mark.parametrize("num_splits", [1, 3])
 def test_bad_ids_and_counts(num_splits):
     """Counts above the capacity are clamped, negative ones read as 0; ids outside
     [0, n_blocks) are skipped. No fault, and the valid blocks still count."""

@@ -36,7 +36,7 @@ def _check_patches(layout: Layout, args: argparse.Namespace) -> int:
 
 
 def _variant(layout: Layout, args: argparse.Namespace) -> int:
-    text = variant.diff(layout, args.branch, base=args.base)
+    text = variant.diff(layout, args.branch, base=args.base, name=args.upstream)
     if args.output:
         args.output.parent.mkdir(parents=True, exist_ok=True)
         args.output.write_bytes(text)
@@ -130,9 +130,11 @@ def _parser() -> argparse.ArgumentParser:
                          help="only the FA-3 (flash_attn_3) wheel, e.g. beside a carried flash-attn one (with --mutation: hopper/ diffs)")
     command.set_defaults(run=_build)
 
-    command = commands.add_parser("variant", help="a branch as a diff over the base's patched flash-attn tree (for build --mutation)")
+    command = commands.add_parser("variant", help="a branch as a diff over the base's patched tree (for build --mutation)")
     command.add_argument("branch", help="the experiment's branch or commit")
     command.add_argument("--base", default="HEAD", help="what it is measured against (default HEAD)")
+    command.add_argument("--upstream", default="flash-attn", choices=["flash-attn", "flash-attn-3"],
+                         help="whose patched tree (flash-attn-3: a hopper/ diff for fa3-variants, build --fa3-only)")
     command.add_argument("-o", "--output", type=Path, metavar="FILE", help="write the diff here, not to stdout")
     command.set_defaults(run=_variant)
 
