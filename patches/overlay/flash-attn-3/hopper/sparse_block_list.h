@@ -26,12 +26,14 @@ struct SparseBlockList {
     int num_full = 0;
     int num_entries = 0;
     int n_blocks_k = 0;
+    bool last_block_partial = false;  // the sequence's last key block holds fewer than kSparseBlockSize keys
 
     template <bool Varlen>
     CUTLASS_DEVICE static SparseBlockList
     make(SparseBlockParams const &p, int const bidb, int const bidh, int const m_block, int const seqlen_k) {
         SparseBlockList list;
         list.n_blocks_k = (seqlen_k + kSparseBlockSize - 1) / kSparseBlockSize;
+        list.last_block_partial = seqlen_k % kSparseBlockSize != 0;
         int const head = bidh / p.head_ratio;
         int const row = m_block / p.tiles_per_row;
         int64_t cnt_offset, idx_offset;
@@ -88,6 +90,20 @@ struct SparseBlockList {
     }
     CUTLASS_DEVICE bool is_mask(int const entry) const { return entry >= num_full; }
     CUTLASS_DEVICE bool is_valid(int const block) const { return block >= 0 && block < n_blocks_k; }
+    // Whether a listed id needs the sequence-end mask: out of range (masked out, i.e. skipped) or
+    // the partial last block.
+    CUTLASS_DEVICE bool reaches_end(int const block) const {
+        return !is_valid(block) || (last_block_partial && block == n_blocks_k - 1);
+    }
+    // One vote of the calling warp: whether any entry in [first, last] names a block that reaches
+    // the sequence end. Lane i reads entries first + i, first + i + 32, ...
+    CUTLASS_DEVICE bool any_reaches_end(int const first, int const last) const {
+        bool reaches = false;
+        for (int entry = first + int(threadIdx.x % 32); entry <= last; entry += 32) {
+            reaches |= reaches_end(raw_block(entry));
+        }
+        return __any_sync(0xffffffff, reaches);
+    }
     // Key-block coordinate for the TMA loads: always inside the sequence (or block 0 of an
     // empty one, which TMA bounds-checks and the mask hides).
     CUTLASS_DEVICE int load_block(int const entry) const {
