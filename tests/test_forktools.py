@@ -583,6 +583,26 @@ def test_variant_diff_turns_the_base_tree_into_the_branch_tree(exported: Layout,
     assert tree_files(tmp_path / "main") == laid["experiment"] != laid["main"]
 
 
+def test_variant_command_diffs_the_named_upstreams_tree(exported: Layout, tmp_path: Path):
+    """`forktools variant BRANCH --upstream NAME`: FA-3 experiments are diffs of the flash-attn-3
+    tree (hopper/ paths); a branch that leaves the named tree as it is has nothing to build."""
+    root = exported.root
+    (root / ".gitignore").write_text("/.cache/\n/build/\n")
+    git(root, "init", "-q", "-b", "main")
+    git(root, "add", "-A")
+    git(root, "commit", "-q", "-m", "base")
+    git(root, "checkout", "-q", "-b", "experiment")
+    (exported.overlay / "demo").mkdir(parents=True, exist_ok=True)
+    (exported.overlay / "demo" / "new_module.py").write_text("VALUE = 1\n")
+    git(root, "add", "-A")
+    git(root, "commit", "-q", "-m", "experiment")
+    out = tmp_path / "experiment.diff"
+    assert main(["variant", "experiment", "--base", "main", "--upstream", "demo", "-o", str(out)], root=root) == 0
+    assert b"+++ b/new_module.py" in out.read_bytes()
+    assert main(["variant", "experiment", "--base", "main"], root=root) == 1  # flash-attn's tree is unchanged
+    assert main(["variant", "experiment", "--base", "main", "--upstream", "nope"], root=root) == 1
+
+
 def test_variant_refuses_a_branch_that_does_not_contain_the_base(exported: Layout):
     root = exported.root
     (root / ".gitignore").write_text("/.cache/\n/build/\n")

@@ -133,8 +133,9 @@ def _parser() -> argparse.ArgumentParser:
     command = commands.add_parser("variant", help="a branch as a diff over the base's patched tree (for build --mutation)")
     command.add_argument("branch", help="the experiment's branch or commit")
     command.add_argument("--base", default="HEAD", help="what it is measured against (default HEAD)")
-    command.add_argument("--upstream", default="flash-attn", choices=["flash-attn", "flash-attn-3"],
-                         help="whose patched tree (flash-attn-3: a hopper/ diff for fa3-variants, build --fa3-only)")
+    command.add_argument("--upstream", default="flash-attn", metavar="NAME",
+                         help="whose patched tree, a name of upstream/lock.toml (flash-attn-3: a hopper/ diff for "
+                              "the fa3-variants step and build --fa3-only)")
     command.add_argument("-o", "--output", type=Path, metavar="FILE", help="write the diff here, not to stdout")
     command.set_defaults(run=_variant)
 
