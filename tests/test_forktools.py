@@ -559,12 +559,18 @@ def test_applier_matches_git_apply_on_random_edits(old: bytes, new: bytes):
 
 # --- variants: an experiment branch as a diff over the base's laid tree ----------------------
 
-def test_variant_diff_turns_the_base_tree_into_the_branch_tree(exported: Layout, tmp_path: Path):
+def commit_base_on_main(exported: Layout) -> Path:
+    """The exported project as a git repository whose branch main holds it: an experiment's base."""
     root = exported.root
     (root / ".gitignore").write_text("/.cache/\n/build/\n")
     git(root, "init", "-q", "-b", "main")
     git(root, "add", "-A")
     git(root, "commit", "-q", "-m", "base")
+    return root
+
+
+def test_variant_diff_turns_the_base_tree_into_the_branch_tree(exported: Layout, tmp_path: Path):
+    root = commit_base_on_main(exported)
     git(root, "checkout", "-q", "-b", "experiment")
     (root / "python" / "flash_attn_sparse" / "__init__.py").write_text("SPARSE = 2\n")
     (exported.overlay / "flash-attn" / "csrc").mkdir(parents=True)
@@ -586,11 +592,7 @@ def test_variant_diff_turns_the_base_tree_into_the_branch_tree(exported: Layout,
 def test_variant_command_diffs_the_named_upstreams_tree(exported: Layout, tmp_path: Path):
     """`forktools variant BRANCH --upstream NAME`: FA-3 experiments are diffs of the flash-attn-3
     tree (hopper/ paths); a branch that leaves the named tree as it is has nothing to build."""
-    root = exported.root
-    (root / ".gitignore").write_text("/.cache/\n/build/\n")
-    git(root, "init", "-q", "-b", "main")
-    git(root, "add", "-A")
-    git(root, "commit", "-q", "-m", "base")
+    root = commit_base_on_main(exported)
     git(root, "checkout", "-q", "-b", "experiment")
     (exported.overlay / "demo").mkdir(parents=True, exist_ok=True)
     (exported.overlay / "demo" / "new_module.py").write_text("VALUE = 1\n")
@@ -604,11 +606,7 @@ def test_variant_command_diffs_the_named_upstreams_tree(exported: Layout, tmp_pa
 
 
 def test_variant_refuses_a_branch_that_does_not_contain_the_base(exported: Layout):
-    root = exported.root
-    (root / ".gitignore").write_text("/.cache/\n/build/\n")
-    git(root, "init", "-q", "-b", "main")
-    git(root, "add", "-A")
-    git(root, "commit", "-q", "-m", "base")
+    root = commit_base_on_main(exported)
     git(root, "branch", "experiment")
     (root / "python" / "flash_attn_sparse" / "__init__.py").write_text("SPARSE = 3\n")
     git(root, "commit", "-q", "-am", "main moves on")
