@@ -20,8 +20,8 @@ the listed keys (non-causal lists of one length); fa3_dense_listed_128 the same 
 the sparse path's 128 x 128 tile steps (upstream tiles non-causal keys by 176, causal ones by
 128): causal, each 128-row query tile its own batch entry reading its K/V by cache_batch_idx, so
 the mask touches only the last block, whose MMAs run all the same; at causal shapes, where
-fa3_dense_listed is non-causal over a tile's mean key count, FA-3 causal varlen with each query
-tile a sequence over its own listed keys (fa3_dense_causal_tiles). --pristine-fa4 (flash-attn-4 installed as
+fa3_dense_listed is non-causal over a tile's mean key count, the same keys in those 128-key
+steps. --pristine-fa4 (flash-attn-4 installed as
 released, without this project's patches) runs only fa4_pristine_blocksparse: its own
 block-sparse call on the same lists in its form.
 
@@ -348,44 +348,6 @@ def fa3_dense_128(q, seqlen_q):
     return lambda k, v: flash_attn_with_kvcache(q_tiles, k, v, cache_batch_idx=kv_batch, causal=True, num_splits=0)
 
 
-def fa3_dense_causal_tiles(q, k, v, lists):
-    """forward(): dense FA-3, causal and varlen, with each 128-row query tile a sequence over its
-    own listed keys (its full blocks in list order, its diagonal block last): the sparse call's
-    128 x 128 tile steps and masks, tiles of uneven length included, longest first as FA-3 orders
-    causal tiles. K/V are gathered once here; or why it cannot run."""
-    try:
-        from flash_attn_interface import flash_attn_varlen_func
-    except Exception as error:  # no flash_attn_3 wheel, or one that does not load here
-        return f"flash_attn_interface is not importable: {type(error).__name__}: {error}"
-    full, mask = lists
-    batch, seqlen_q, heads, dim = q.shape
-    heads_k, tiles = len(full[0]), seqlen_q // BLOCK
-    order = [(b, m) for m in reversed(range(tiles)) for b in range(batch)]
-    lengths = {len(full[b][h][m]) + len(mask[b][h][m]) for b, m in order for h in range(heads_k)}
-    if seqlen_q % BLOCK or any(len({len(full[b][h][m]) + len(mask[b][h][m]) for h in range(heads_k)}) > 1
-                               for b, m in order):
-        return "a tile's lists differ in length across K/V heads (varlen packs one length per sequence)"
-    device = k.device
-    gathered_bytes = 2 * BLOCK * sum(len(full[b][0][m]) + 1 for b, m in order) * heads_k * dim * k.element_size()
-    if device.type == "cuda" and gathered_bytes > torch.cuda.mem_get_info(device)[0] // (2 * ROTATIONS):
-        return f"the tiles' gathered K/V ({gathered_bytes >> 20} MiB per list set) would not fit beside the rest"
-    # Per K/V head, the key positions each tile reads, tiles packed one after another.
-    rows = [torch.cat([torch.tensor(full[b][h][m] + mask[b][h][m], dtype=torch.int64) for b, m in order])
-            for h in range(heads_k)]
-    blocks = torch.stack(rows, dim=1).to(device)  # (total blocks, Hk)
-    keys = (blocks[:, None, :] * BLOCK + torch.arange(BLOCK, device=device)[None, :, None]).flatten(0, 1)  # (total_k, Hk)
-    batch_of_block = torch.tensor([b for b, m in order for _ in full[b][0][m] + mask[b][0][m]], device=device)
-    batch_of_key = batch_of_block.repeat_interleave(BLOCK)[:, None]
-    head = torch.arange(heads_k, device=device)[None, :]
-    k_tiles, v_tiles = k[batch_of_key, keys, head].contiguous(), v[batch_of_key, keys, head].contiguous()
-    q_tiles = torch.cat([q[b, m * BLOCK:(m + 1) * BLOCK] for b, m in order]).contiguous()
-    n_keys = [BLOCK * (len(full[b][0][m]) + len(mask[b][0][m])) for b, m in order]
-    cu_k = torch.tensor([0] + n_keys, dtype=torch.int32, device=device).cumsum(0, dtype=torch.int32)
-    cu_q = torch.arange(0, len(order) + 1, dtype=torch.int32, device=device) * BLOCK
-    return lambda: flash_attn_varlen_func(q_tiles, k_tiles, v_tiles, cu_q, cu_k, BLOCK, max(lengths) * BLOCK,
-                                          causal=True)
-
-
 def fa3_dense_forward():
     """(forward, None): upstream FA-3's dense flash_attn_interface.flash_attn_func (the flash_attn_3
     wheel) returning out only, as its versions return out or (out, lse); or (None, why not)."""
@@ -599,12 +561,16 @@ def bench_shape(shape, roofline, rows, methods, pristine=False):
             add("fa3_dense_listed", rotating([lambda kl=kl, vl=vl: fa3_dense(q, kl, vl, causal=False) for kl, vl in listed]),
                 "dense FA-3 over K/V gathered to the listed keys")
     if "fa3_dense_listed_128" in methods and shape.causal:
-        tiles = [fa3_dense_causal_tiles(q, k, v, lists) for lists in list_sets]
-        if isinstance(tiles[0], str):
-            print(f"  fa3_dense_listed_128: skipped: {tiles[0]}", flush=True)
+        # fa3_dense_listed's keys in the sparse path's 128-key steps: the tile-size share of the
+        # causal gap. (A copy of each tile's own listed keys would make the peer read 4.6 GB at
+        # 1/4, private copies that the sparse call's tiles share through L2: 1.55x its time, run 175.)
+        dense_128 = fa3_dense_128(q, shape.seqlen_q)
+        if isinstance(dense_128, str):
+            print(f"  fa3_dense_listed_128: skipped: {dense_128}", flush=True)
         else:
-            add("fa3_dense_listed_128", rotating(tiles),
-                "dense FA-3 causal varlen, each query tile a sequence over its listed keys (the same tile steps)")
+            keys = [round(keys_per_tile(lists)) for lists in list_sets]
+            add("fa3_dense_listed_128", rotating([lambda n=n: dense_128(k[:, :n], v[:, :n]) for n in keys]),
+                f"dense FA-3 over as many keys as a tile's lists ({keys[0]}), in 128-key tile steps")
     if "fa3_dense_listed_128" in methods and listed:
         # FA-3 tiles non-causal hdim-128 keys by 176 and causal ones by 128 (tile_size.h), the
         # sparse path by its 128-key blocks. A causal call over the listed keys runs the same
