@@ -549,14 +549,16 @@ def bench_shape(shape, roofline, rows, methods, pristine=False):
             listed = built("listed K/V", lambda: [listed_kv(k, v, lists) for lists in list_sets])
         else:
             print("  *_listed: skipped: lists of several lengths have no one dense K/V", flush=True)
+    # Causal per-tile lists have no one dense equivalent: their peers read as many keys as a tile's lists.
+    causal_keys = [round(keys_per_tile(lists)) for lists in list_sets] if shape.causal else None
     if "fa3_dense_listed" in methods:
         fa3_dense, why_not = fa3_dense_forward()
         if fa3_dense is None:
             print(f"  fa3_dense_listed: skipped: {why_not}", flush=True)
-        elif shape.causal:  # per-tile lists have no one dense equivalent: as many keys, non-causal
-            keys = [round(keys_per_tile(lists)) for lists in list_sets]
-            add("fa3_dense_listed", rotating([lambda n=n: fa3_dense(q, k[:, :n], v[:, :n], causal=False) for n in keys]),
-                f"dense FA-3 over as many keys as a tile's lists, non-causal ({keys[0]} keys, k[:, :n])")
+        elif shape.causal:
+            add("fa3_dense_listed", rotating([lambda n=n: fa3_dense(q, k[:, :n], v[:, :n], causal=False)
+                                              for n in causal_keys]),
+                f"dense FA-3 over as many keys as a tile's lists, non-causal ({causal_keys[0]} keys, k[:, :n])")
         elif listed:
             add("fa3_dense_listed", rotating([lambda kl=kl, vl=vl: fa3_dense(q, kl, vl, causal=False) for kl, vl in listed]),
                 "dense FA-3 over K/V gathered to the listed keys")
@@ -568,9 +570,8 @@ def bench_shape(shape, roofline, rows, methods, pristine=False):
         if isinstance(dense_128, str):
             print(f"  fa3_dense_listed_128: skipped: {dense_128}", flush=True)
         else:
-            keys = [round(keys_per_tile(lists)) for lists in list_sets]
-            add("fa3_dense_listed_128", rotating([lambda n=n: dense_128(k[:, :n], v[:, :n]) for n in keys]),
-                f"dense FA-3 over as many keys as a tile's lists ({keys[0]}), in 128-key tile steps")
+            add("fa3_dense_listed_128", rotating([lambda n=n: dense_128(k[:, :n], v[:, :n]) for n in causal_keys]),
+                f"dense FA-3 over as many keys as a tile's lists ({causal_keys[0]}), in 128-key tile steps")
     if "fa3_dense_listed_128" in methods and listed:
         # FA-3 tiles non-causal hdim-128 keys by 176 and causal ones by 128 (tile_size.h), the
         # sparse path by its 128-key blocks. A causal call over the listed keys runs the same

@@ -11,13 +11,10 @@
 #
 # A call carries at most 64 MiB, the working tree (about 8 MB) included. Built wheels come back in
 # $OUT (dist-wheel.tar, dist-fa3-wheel.tar); laid in .carry/wheel/ they skip the build while the
-# labels match. Part 1 (50 MB), part 2 (24 MB), both wheels (25 MB) and .cache/upstream (16 MB) do
-# not fit two calls whole, but a warm machine keeps ignored files between calls, so the cache goes
-# file by file (runs 172-173): call 1 carries part1, .carry/fa4pristine and the cache's four small
-# files (nvidia_cutlass-*.whl, flash_attn_4-*.tar.gz, flash-attention-*-hopper.tar.gz and -tests.tar.gz);
-# call 2 carries part2, both wheels, the cache's flash_attn-*.tar.gz and .commit. Without FA-4 (its
-# tests skip) one call carries .cache/upstream, .carry/wheel and .commit. `python -m forktools
-# carry-plan [--no-fa4]` prints these lists from the sizes at hand (python/forktools/carry.py). The flash-attn wheel's label also hashes python/
+# labels match. The runtime parts, both wheels, .carry/fa4pristine, .cache/upstream and .commit do
+# not fit two calls whole; a warm machine keeps ignored files between calls, so the cache may go
+# file by file (runs 172-178). `PYTHONPATH=python python -m forktools carry-plan [--no-fa4]` prints
+# each call's carry list from the sizes at hand. The flash-attn wheel's label also hashes python/
 # (the wheel ships flash_attn_sparse), so after a Python-only change pass --reuse-fa2-wheel:
 # the carried wheels are installed unbuilt (FA-3's when its label is this commit's) and python/
 # goes first on the path; without it such a change rebuilds FA-2 (184 s, run 115).

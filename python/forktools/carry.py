@@ -63,22 +63,24 @@ def plan(root: Path, with_fa4: bool = True, limit: int = LIMIT_BYTES - MARGIN_BY
     others = [p for p in (*WHEELS, *((PRISTINE_FA4,) if with_fa4 else ())) if (root / p).exists()]
     cache = root / ".cache" / "upstream"
     cache_files = [str(p.relative_to(root)) for p in sorted(cache.iterdir()) if p.is_file()] if cache.is_dir() else []
+    whole_cache = [".cache/upstream"] if cache_files else []
+    sizes = {p: size_of(root / p) for p in [*(p for group in pinned for p in group), *others, *whole_cache, *cache_files]}
     try:
-        return _first_fit(root, tree, pinned, others + ([".cache/upstream"] if cache_files else []), limit)
+        return _first_fit(sizes, tree, pinned, others + whole_cache, limit)
     except ToolError:
-        return _first_fit(root, tree, pinned, others + cache_files, limit)
+        return _first_fit(sizes, tree, pinned, others + cache_files, limit)
 
 
-def _first_fit(root: Path, tree: int, pinned: list[list[str]], loose: list[str], limit: int) -> list[Call]:
+def _first_fit(sizes: dict[str, int], tree: int, pinned: list[list[str]], loose: list[str], limit: int) -> list[Call]:
     calls = [Call([], tree) for _ in pinned]
     for call, group in zip(calls, pinned):
         for path in group:
-            call.add(path, size_of(root / path))
+            call.add(path, sizes[path])
     over = [i + 1 for i, c in enumerate(calls) if c.bytes > limit]
     if over:
         raise ToolError(f"carry-plan: call {over[0]} is over {limit >> 20} MiB with its fixed paths alone")
-    for path in sorted(loose, key=lambda p: -size_of(root / p)):
-        size = size_of(root / path)
+    for path in sorted(loose, key=lambda p: -sizes[p]):
+        size = sizes[path]
         call = next((c for c in calls if c.fits(size, limit)), None)
         if call is None:
             raise ToolError(f"carry-plan: {path} ({size >> 20} MiB) fits no call beside a {tree >> 20} MiB tree: "
