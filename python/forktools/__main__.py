@@ -3,12 +3,11 @@
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 from pathlib import Path
 
-from forktools import ToolError, build, build_fa3, carry, gpu, series, stages, upstream, variant, wheel_fa4
+from forktools import ToolError, build, build_fa3, gpu, series, stages, upstream, variant, wheel_fa4
 from forktools.layout import Layout
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -60,13 +59,6 @@ def _build(layout: Layout, args: argparse.Namespace) -> int:
     archs = args.archs or [a for a in os.environ.get("FLASH_ATTN_SPARSE_ARCH", "").split(",") if a] or None
     build.build(layout, profile=args.profile, archs=archs, jobs=args.jobs, reuse=args.reuse,
                 mutations=args.mutations, install=args.install, fa3=not args.no_fa3)
-    return 0
-
-
-def _carry_plan(layout: Layout, args: argparse.Namespace) -> int:
-    calls = carry.plan(layout.root, with_fa4=not args.no_fa4)
-    for number, call in enumerate(calls, 1):
-        print(f"call {number} ({call.bytes / 2**20:.1f} MiB with the tree): carry {json.dumps(call.paths)}")
     return 0
 
 
@@ -146,10 +138,6 @@ def _parser() -> argparse.ArgumentParser:
                               "the fa3-variants step and build --fa3-only)")
     command.add_argument("-o", "--output", type=Path, metavar="FILE", help="write the diff here, not to stdout")
     command.set_defaults(run=_variant)
-
-    command = commands.add_parser("carry-plan", help="each device call's carry list within the tool's 64 MiB")
-    command.add_argument("--no-fa4", action="store_true", help="one call, without the CuTe-DSL runtime parts")
-    command.set_defaults(run=_carry_plan)
 
     command = commands.add_parser("review", help="show a stage's notes and patches, run its tests")
     command.add_argument("stage", type=int, metavar="N")
