@@ -35,7 +35,7 @@ def test_only_the_runtime_probes_count_as_benign():
     assert not "flash::compute_attn".startswith(sanitize.BENIGN_API_ERRORS)
 
 
-# As compute-sanitizer 2025.x prints them on the H200 (run 95), names shortened only in length.
+# As compute-sanitizer 2025.x prints them on an H200, names shortened only in length.
 SCHEDULER = ("flash::DynamicPersistentTileScheduler<(int)256, (int)128, (bool)0, (bool)1, (bool)1>::WorkTileInfo "
              "flash::DynamicPersistentTileScheduler<(int)256, (int)128, (bool)0, (bool)1, (bool)1>::get_next_work<(bool)1>"
              "(const flash::DynamicPersistentTileScheduler<(int)256, (int)128, (bool)0, (bool)1, (bool)1>::Params &, "

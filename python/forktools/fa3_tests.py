@@ -1,13 +1,14 @@
-"""Upstream FA-3's own forward tests on the patched FA-3 build, for the GPU machine:
+"""Upstream FA-3's own forward tests on the patched FA-3 build, on a GPU host:
 
-    FORKTOOLS_UPSTREAM_MIRROR=../shared/upstream PYTHONPATH=python python -m forktools.fa3_tests [pytest args]
+    PYTHONPATH=python python -m forktools.fa3_tests [pytest args]
 
-builds (or reuses) and installs the dev flash_attn_3 wheel (forktools.build_fa3), then runs
-hopper/test_flash_attn.py of the patched tree from build/wheel/flash-attn-3/hopper with the dev
-profile's FLASH_ATTENTION_DISABLE_* variables, which upstream's test file reads to narrow its own
-parameters. It is also the pytest plugin (`-p forktools.fa3_tests`) that deselects, by name and
-parameter, what the dev profile does not compile (DESELECT); pytest's summary line gives the
-pass / skip / fail / deselected counts.
+(the upstream cache must hold FA-3's pinned archives: `nox -s upstream -- --mirror DIR`, or
+$FORKTOOLS_UPSTREAM_MIRROR). It builds (or reuses) and installs the dev flash_attn_3 wheel
+(forktools.build_fa3), then runs hopper/test_flash_attn.py of the patched tree from
+build/wheel/flash-attn-3/hopper with the dev profile's FLASH_ATTENTION_DISABLE_* variables, which
+upstream's test file reads to narrow its own parameters. It is also the pytest plugin
+(`-p forktools.fa3_tests`) that deselects, by name and parameter, what the dev profile does not
+compile (DESELECT); pytest's summary line gives the pass / skip / fail / deselected counts.
 """
 
 from __future__ import annotations

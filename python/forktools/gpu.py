@@ -1,16 +1,23 @@
-"""`python -m forktools gpu STEP...`: one call on the GPU machine (no package index there).
+"""`python -m forktools gpu STEP...`: the project's GPU CI on any CUDA host with the build toolchain.
 
-It gets the wheel (built from the carried upstream cache, or a carried wheel reused), installs it
-into a scratch folder, then runs the steps named, in the order given (`--list` shows them). Every
-result and log goes under one output folder (default $OUT); the logs come back as one tarball,
-and the last thing printed is a summary table. `--dry-run` prints the command lines instead.
-The CuTe-DSL runtime (FA-4's) is unpacked by benchmarks/gpu_session.sh, which then calls this.
+It gets the wheels (built from the verified upstream cache, or prebuilt ones from `--wheels` whose
+labels match this checkout), installs them into a scratch folder, then runs the steps named, in
+the order given (`--list` shows them). Every result and log goes under one output folder
+(`--out`, default ./gpu-out): results as files, the logs as one tarball, the wheels built here as
+tar files that a later run takes back with `--wheels`; the last thing printed is a summary table.
+`--dry-run` prints the command lines instead. FA-4 runs where `--cutedsl-site` names a folder
+holding its CuTe-DSL runtime (`pip install --target DIR --group fa4-compile`); without it the FA-4
+tests skip and `auto` runs FA-2 / FA-3. `--budget-s` bounds the whole run, so that the summary and
+the logs are written before a CI job's own timeout would kill it.
+
+    PYTHONPATH=python python -m forktools gpu --out DIR [--cutedsl-site SITE] [--wheels DIR] STEP... [options]
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import fnmatch
 import os
 import re
 import shlex
@@ -19,20 +26,26 @@ import signal
 import subprocess
 import sys
 import tarfile
+import tempfile
 import time
 from pathlib import Path
 
-from forktools import build_fa3, gpu_steps
+from forktools import build_fa3, gpu_steps, wheel_fa4
 from forktools.layout import Layout
 
-CARRIED_WHEEL = ".carry/wheel/dist-wheel.tar"
-CARRIED_FA3_WHEEL = ".carry/wheel/dist-fa3-wheel.tar"  # flash_attn_3, reused like the flash-attn one
 BUILD_TIME = re.compile(r"in (\d+) s")
+# The wheel a `forktools build` printed as reused or built (dist/ may hold others, e.g. from --wheels).
+BUILT_WHEEL = re.compile(r"^build: (?:reusing )?(\S*flash_attn-\S+\.whl)", re.M)
+# Wheels built here go into --out as tar files: a local version label's "+" is not safe in every
+# artifact store's file names, and a tar keeps it. --wheels takes these tars or loose wheels.
+WHEEL_TARS = {"flash_attn": "flash-attn-wheel.tar", "flash_attn_3": "flash-attn-3-wheel.tar"}
+DEFAULT_OUT = Path("gpu-out")
+DEFAULT_SCRATCH = Path(tempfile.gettempdir()) / "forktools-gpu"
 
 
 @dataclasses.dataclass
 class Session:
-    """The state of one call: options, where things go, the environment the steps run in."""
+    """The state of one run: options, where things go, the environment the steps run in."""
     root: Path
     out: Path
     scratch: Path
@@ -44,9 +57,11 @@ class Session:
     worst_rc: int = 0
     last_rc: int = 0
     fa4_wheel: Path | None = None
+    fa3_wheel: Path | None = None
     mutant_wheel: Path | None = None
-    return_wheels: bool = True  # tar the wheels into $OUT (prepare_wheel: only those built here)
-    # time.monotonic() past which no command starts and running ones are cut (--deadline-s)
+    # Wheel names that came from --wheels: they are not written to --out again.
+    given_wheels: set = dataclasses.field(default_factory=set)
+    # time.monotonic() past which no command starts and running ones are cut (--budget-s)
     deadline: float | None = None
 
     @property
@@ -55,7 +70,12 @@ class Session:
 
     @property
     def cutedsl_site(self) -> Path | None:
-        return self.options.cutedsl_site
+        return getattr(self.options, "cutedsl_site", None)
+
+    @property
+    def kernel_cache(self) -> Path:
+        """CuTe-DSL's compiled-kernel cache, kept between runs (FA-4's first compile of a shape is slow)."""
+        return self.scratch / "cutedsl-cache"
 
     def note(self, text: str) -> None:
         print(text, flush=True)
@@ -68,7 +88,7 @@ class Session:
             env: dict | None = None, stderr: Path | None = None, cwd: Path | None = None) -> int:
         """Run `command` from the repo root in the session's environment (plus `env`), its stdout
         (and stderr, unless `stderr` names a file) into `output`; 124 when it passed `timeout` s or
-        the session's deadline (then it is killed with every process below it: a build's compilers too)."""
+        the run's --budget-s (then it is killed with every process below it: a build's compilers too)."""
         words = [str(word) for word in command]
         line = shlex.join(words) + (f" {'>>' if append else '>'} {output}" if output else "")
         self.commands.append(line)
@@ -77,7 +97,7 @@ class Session:
             return 0
         left = self.seconds_left()
         if left is not None and left <= 0:
-            self.note(f"deadline: not started: {line}")
+            self.note(f"budget: not started: {line}")
             self.worst_rc, self.last_rc = max(self.worst_rc, 124), 124
             return 124
         limits = [t for t in (timeout, left) if t is not None]
@@ -98,7 +118,7 @@ class Session:
                     _kill_tree(child)
                     rc = 124
                     if left is not None and limit == left:
-                        self.note(f"deadline: cut after {limit:.0f} s: {line}")
+                        self.note(f"budget: cut after {limit:.0f} s: {line}")
         self.worst_rc, self.last_rc = max(self.worst_rc, rc), rc
         return rc
 
@@ -137,8 +157,8 @@ class Session:
 
 def _kill_tree(child: subprocess.Popen) -> None:
     """SIGKILL the child and every process below it, parents first, then reap the child. The tree
-    is read from /proc: the children stay in this process group, so a kill of the whole call
-    (the device tool's, at its limit) still reaches them."""
+    is read from /proc: the children stay in this process group, so a kill of the whole run (a CI
+    job's timeout) still reaches them."""
     below: dict[int, list[int]] = {}
     for stat in Path("/proc").glob("[0-9]*/stat"):
         try:
@@ -172,47 +192,91 @@ def _extract(tar_path: Path, into: Path) -> None:
         tar.extractall(into, filter="data")
 
 
+def source_commit(root: Path) -> str:
+    """git's short HEAD, or what .commit says in a tree exported without .git."""
+    try:
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True, text=True,
+                              check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        marker = root / ".commit"
+        return marker.read_text().strip() if marker.exists() else "unknown"
+
+
 def describe_machine(session: Session) -> None:
     gpu_txt = session.logs / "gpu.txt"
     session.run(["nvidia-smi", "--query-gpu=name,driver_version,clocks.sm,clocks.mem,memory.used", "--format=csv"],
                 output=gpu_txt)
     session.run([sys.executable, "-c", "import torch, sys; print('python', sys.version.split()[0], 'torch', "
                  "torch.__version__, 'cuda', torch.version.cuda)"], output=gpu_txt, append=True)
-    commit_file = session.root / ".commit"
-    commit = commit_file.read_text().strip() if commit_file.exists() else "unknown"
     lines = session.read(gpu_txt).splitlines()
-    session.note(f"commit {commit}, {time.strftime('%Y-%m-%d', time.gmtime())}, {lines[1] if len(lines) > 1 else '?'}")
+    session.note(f"commit {source_commit(session.root)}, {time.strftime('%Y-%m-%d', time.gmtime())}, "
+                 f"{lines[1] if len(lines) > 1 else '?'}")
+
+
+def wheels_in(folder: Path | None) -> dict[str, Path]:
+    """The wheels of a --wheels folder by file name: loose *.whl files, and those inside *.tar files
+    (what a run writes to --out), each mapped to the file that holds it."""
+    found: dict[str, Path] = {}
+    if folder is None or not folder.is_dir():
+        return found
+    for path in sorted(folder.glob("*.whl")):
+        found[path.name] = path
+    for path in sorted(folder.glob("*.tar")):
+        with tarfile.open(path) as archive:
+            for member in archive.getmembers():
+                if member.isfile() and member.name.endswith(".whl") and "/" not in member.name:
+                    found.setdefault(member.name, path)
+    return found
+
+
+def lay_wheels(folder: Path, names: list[str], into: Path) -> None:
+    """Put the named wheels of a --wheels folder into `into`, their modification times kept."""
+    into.mkdir(parents=True, exist_ok=True)
+    holders = wheels_in(folder)
+    for name in names:
+        holder = holders[name]
+        if holder.suffix == ".whl":
+            shutil.copy2(holder, into / name)
+        else:
+            with tarfile.open(holder) as archive:
+                archive.extract(name, into, filter="data")
+
+
+def _given_wheel(session: Session, given: Path) -> Path:
+    """--wheel: a .whl, or a .tar holding one (a variants step's result), staged in the scratch folder."""
+    staged = session.scratch / "given-wheel"
+    session.act(f"empty {staged}", gpu_steps.recreate, staged)
+    if given.suffix == ".whl":
+        session.act(f"copy {given} into {staged}", shutil.copy2, given, staged / given.name)
+        return staged / given.name
+    session.act(f"extract {given} into {staged}", _extract, given, staged)
+    found = sorted(staged.glob("flash_attn-*.whl")) or [staged / "flash_attn-X.whl"]
+    return found[0]
 
 
 def prepare_wheel(session: Session) -> Path | None:
-    """The one way to the wheel: a given one (--wheel), the carried one beside a fresh flash-attn-4
-    wheel (--reuse-fa2-wheel), or a build that reuses the carried wheel when its label (the hash
-    of the patched tree and profile) is this commit's. None when that failed."""
-    options, given = session.options, session.scratch / "given-wheel"
-    if options.wheel or options.reuse_fa2_wheel:
-        session.act(f"extract {options.wheel or CARRIED_WHEEL} into {given}", _extract,
-                    session.root / (options.wheel or CARRIED_WHEEL), given)
-        found = sorted(given.glob("flash_attn-*.whl")) or [given / "flash_attn-X.whl"]
-        wheel = found[0]
+    """The one way to the flash-attn wheel: a given one (--wheel, no build), the one in --wheels
+    beside a fresh flash-attn-4 wheel (--reuse-fa2-wheel), or a build that reuses any wheel of
+    --wheels whose label (the hash of the patched tree and profile) is this checkout's. None when
+    that failed."""
+    options = session.options
+    given = wheels_in(options.wheels)
+    session.given_wheels = set(given)
     if options.wheel:
+        wheel = _given_wheel(session, options.wheel)
+        session.given_wheels.add(wheel.name)
         session.note(f"wheel given: {wheel.name} (no build)")
         return wheel
     if session.forktools("upstream", "--offline", output=session.logs / "upstream.log"):
         session.note("upstream cache: FAILED (see upstream.log)")
         return None
     if options.reuse_fa2_wheel:
-        if session.forktools("build", "--fa4-only", output=session.logs / "build.log"):
-            session.note("flash-attn-4 wheel: FAILED (see build.log)")
-            return None
-        session.return_wheels = False  # carried: already on the other side (carried_or_built_fa3_wheel may build one)
-        carried_or_built_fa3_wheel(session)
-        session.env["PYTHONPATH"] = str(session.root / "python")
-        session.note(f"wheel reused: {wheel.name} (no build); flash-attn-4 wheel built here; python/ first on the path")
-        return wheel
-    for carried_tar in (CARRIED_WHEEL, CARRIED_FA3_WHEEL):
-        carried = session.root / carried_tar
-        if carried.exists():
-            session.act(f"extract {carried_tar} into dist/", _extract, carried, session.root / "dist")
+        return _reuse_fa2_wheel(session, given)
+    # A build with --reuse takes those of its label; a mutant's label never is a checkout's.
+    reusable = sorted(name for name in given if "mutant" not in name)
+    if reusable:
+        session.act(f"copy {', '.join(reusable)} from {options.wheels} into dist/", lay_wheels, options.wheels, reusable,
+                    session.root / "dist")
     start = time.monotonic()
     build_log = session.logs / "build.log"
     rc = session.forktools("build", "--profile", "dev", "--jobs", str(os.cpu_count() or 1), "--reuse",
@@ -223,54 +287,71 @@ def prepare_wheel(session: Session) -> Path | None:
                 session.root / "build/logs/build-fa3-dev.log", session.logs / "build-fa3-full.log")
     for units in ("units-flash-attn.txt", "units-flash-attn-3.txt"):  # per-unit compile times (build.report_unit_times)
         session.act(f"copy build/logs/{units} to logs/", _copy_if_there, session.root / "build/logs" / units, session.logs / units)
-    wheel = session.newest("flash_attn-*.whl", exclude="mutant")
+    log = session.read(build_log)
+    named = BUILT_WHEEL.findall(log)
+    wheel = session.root / named[-1] if named else session.newest("flash_attn-*.whl", exclude="mutant")
     if rc or not wheel:
         session.note("build: FAILED (see build.log, build-full.log)")
         return None
-    took = BUILD_TIME.findall(session.read(build_log))
-    # The device tool returns at most 8 files from $OUT: wheels go back only when built here (a
-    # carried wheel is already on the other side), leaving room for the logs and results.
-    session.return_wheels = bool(took) or session.dry_run
-    size = 0 if session.dry_run else wheel.stat().st_size >> 20
+    took = BUILD_TIME.findall(log)
+    size = 0 if session.dry_run or not wheel.exists() else wheel.stat().st_size >> 20
     session.note(f"build: {'in ' + took[-1] + ' s' if took else 'reused'} (wall {time.monotonic() - start:.0f} s),"
                  f" {wheel.name}, {size} MB")
     return wheel
 
 
-def carried_or_built_fa3_wheel(session: Session) -> None:
-    """With --reuse-fa2-wheel: the carried flash_attn_3 wheel into dist/ when it is this commit's
-    (its label hashes the FA-3 patches and overlay, not python/), else FA-3 built here alone."""
-    carried = session.root / CARRIED_FA3_WHEEL
-    label = build_fa3.version_label(Layout.at(session.root))
-    staged = session.scratch / "given-fa3-wheel"
+def _reuse_fa2_wheel(session: Session, given: dict[str, Path]) -> Path | None:
+    """--reuse-fa2-wheel: the flash-attn wheel of --wheels installed unbuilt though its label differs
+    (it hashes python/, which a Python-only change moves), python/ first on the path; flash-attn-4's
+    wheel built here (seconds) and FA-3's taken from --wheels when its label matches."""
+    names = sorted(name for name in given if name.startswith("flash_attn-") and "mutant" not in name)
+    if not names and not session.dry_run:
+        session.note(f"--reuse-fa2-wheel: no flash_attn wheel in {session.options.wheels}")
+        return None
+    staged = session.scratch / "given-wheel"
     session.act(f"empty {staged}", gpu_steps.recreate, staged)
-    if carried.exists():
-        session.act(f"extract {CARRIED_FA3_WHEEL} into {staged}", _extract, carried, staged)
-    matching = sorted(staged.glob(build_fa3.wheel_glob(label)))
-    if matching or session.dry_run:
-        session.act(f"copy the carried flash_attn_3 wheel ({label}) into dist/", _copy_into, matching, session.root / "dist")
+    name = names[-1] if names else "flash_attn-X.whl"
+    session.act(f"copy {name} of {session.options.wheels} into {staged}", lay_wheels, session.options.wheels, [name], staged)
+    if session.forktools("build", "--fa4-only", output=session.logs / "build.log"):
+        session.note("flash-attn-4 wheel: FAILED (see build.log)")
+        return None
+    given_or_built_fa3_wheel(session, given)
+    session.env["PYTHONPATH"] = str(session.root / "python")
+    session.note(f"wheel reused: {name} (no build); flash-attn-4 wheel built here; python/ first on the path")
+    return staged / name
+
+
+def given_or_built_fa3_wheel(session: Session, given: dict[str, Path]) -> None:
+    """The flash_attn_3 wheel of --wheels into dist/ when its label is this checkout's (it hashes
+    the FA-3 patches and overlay, not python/), else FA-3 built here alone."""
+    label = build_fa3.version_label(Layout.at(session.root))
+    matching = sorted(name for name in given if fnmatch.fnmatch(name, build_fa3.wheel_glob(label)))
+    if matching:
+        session.act(f"copy {matching[-1]} ({label}) into dist/", lay_wheels, session.options.wheels, matching[-1:],
+                    session.root / "dist")
         return
-    names = ", ".join(p.name for p in staged.glob("*.whl")) or "none carried"
+    names = ", ".join(name for name in given if name.startswith("flash_attn_3-")) or "none given"
     log = session.logs / "build-fa3.log"
     rc = session.forktools("build", "--fa3-only", "--profile", "dev", "--jobs", str(os.cpu_count() or 1), "--reuse",
                            output=log)
     session.act("copy build/logs/units-flash-attn-3.txt to logs/", _copy_if_there,
                 session.root / "build/logs/units-flash-attn-3.txt", session.logs / "units-flash-attn-3.txt")
     took = BUILD_TIME.findall(session.read(log))
-    session.return_wheels = not rc
     session.note(f"flash_attn_3: built here ({names} is not {label}): " +
                  (f"in {took[-1]} s" if not rc and took else "FAILED (see build-fa3.log); the fa3 backend is absent"))
-
-
-def _copy_into(files: list[Path], folder: Path) -> None:
-    folder.mkdir(parents=True, exist_ok=True)
-    for file in files:
-        shutil.copyfile(file, folder / file.name)
 
 
 def _copy_if_there(source: Path, target: Path) -> None:
     if source.exists():
         shutil.copyfile(source, target)
+
+
+def labelled_wheel(session: Session, pattern: str) -> Path | None:
+    """The wheel of dist/ that matches `pattern` (it names the checkout's label), newest first."""
+    found = sorted((session.root / "dist").glob(pattern), key=lambda p: p.stat().st_mtime)
+    if session.dry_run and not found:
+        return session.root / "dist" / pattern.replace("*", "X")
+    return found[-1] if found else None
 
 
 def install(session: Session, wheel: Path) -> bool:
@@ -282,16 +363,14 @@ def install(session: Session, wheel: Path) -> bool:
     cutedsl = [session.cutedsl_site, session.cutedsl_site / "nvidia_cutlass_dsl/dsl_packages"] if session.cutedsl_site else []
     paths = [session.env.get("PYTHONPATH"), *map(str, cutedsl), str(site)]
     session.env["PYTHONPATH"] = os.pathsep.join(p for p in paths if p)
-    session.env.update(FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED="1", FLASH_ATTENTION_CUTE_DSL_CACHE_DIR="/tmp/cutedsl-cache")
-    session.fa4_wheel = session.newest("flash_attn_4-*.whl")
-    # Never a mutant or an fa3-variants experiment left in dist/ by an earlier warm call (run 113 was one).
-    fa3_wheel = session.newest("flash_attn_3-*.whl", exclude="mutant")
-    if fa3_wheel:  # built here, or carried back and laid into dist/ (with --no-fa3 too)
-        rc = session.pip_install(fa3_wheel, site)
-        session.note(f"flash_attn_3: {fa3_wheel.name}" if rc == 0 else "flash_attn_3 install: FAILED")
-        if session.return_wheels:
-            session.act(f"tar {fa3_wheel.name} into dist-fa3-wheel.tar", gpu_steps.tar_one, fa3_wheel,
-                        session.out / "dist-fa3-wheel.tar")
+    session.env.update(FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED="1", FLASH_ATTENTION_CUTE_DSL_CACHE_DIR=str(session.kernel_cache))
+    layout = Layout.at(session.root)
+    # By label, not by date: dist/ may hold other builds' wheels, --wheels' or a mutant's.
+    session.fa4_wheel = labelled_wheel(session, f"flash_attn_4-*+{wheel_fa4.label(layout)}-*.whl")
+    session.fa3_wheel = labelled_wheel(session, build_fa3.wheel_glob(build_fa3.version_label(layout)))
+    if session.fa3_wheel:  # built here, or taken from --wheels (with --no-fa3 too)
+        rc = session.pip_install(session.fa3_wheel, site)
+        session.note(f"flash_attn_3: {session.fa3_wheel.name}" if rc == 0 else "flash_attn_3 install: FAILED")
     if session.cutedsl_site:
         rc = session.lay_fa4_wheel(session.fa4_wheel)
         wheel_name = session.fa4_wheel.name if session.fa4_wheel else "none in dist/, the runtime's own"
@@ -302,8 +381,9 @@ def install(session: Session, wheel: Path) -> bool:
     if session.cutedsl_site:
         session.run([sys.executable, "-m", "pip", "list"], output=session.logs / "cutedsl-packages.txt")
         session.run([sys.executable, "-c", FA4_IMPORT_CHECK], output=session.logs / "cutedsl-import.log")
-    if session.return_wheels:
-        session.act(f"tar {wheel.name} into dist-wheel.tar", gpu_steps.tar_one, wheel, session.out / "dist-wheel.tar")
+    for kind, built in (("flash_attn", wheel), ("flash_attn_3", session.fa3_wheel)):
+        if built and built.name not in session.given_wheels:
+            session.act(f"tar {built.name} into {WHEEL_TARS[kind]}", gpu_steps.tar_one, built, session.out / WHEEL_TARS[kind])
     return True
 
 
@@ -333,9 +413,12 @@ def run_session(root: Path, options: argparse.Namespace) -> int:
         print(f"error: unknown step {', '.join(map(repr, unknown))}; `python -m forktools gpu --list` shows the steps",
               file=sys.stderr)
         return 2
+    if options.reuse_fa2_wheel and not options.wheels:
+        print("error: --reuse-fa2-wheel takes the flash-attn wheel from --wheels DIR", file=sys.stderr)
+        return 2
     session = Session(root=root, out=options.out.resolve(), scratch=options.scratch.resolve(), options=options,
                       dry_run=options.dry_run,
-                      deadline=time.monotonic() + options.deadline_s if options.deadline_s > 0 else None)
+                      deadline=time.monotonic() + options.budget_s if options.budget_s > 0 else None)
     if not options.dry_run:
         session.logs.mkdir(parents=True, exist_ok=True)
     session.env["PYTHONUNBUFFERED"] = "1"
@@ -349,7 +432,7 @@ def run_session(root: Path, options: argparse.Namespace) -> int:
         for name in options.steps:
             left = session.seconds_left()
             if left is not None and left <= 0:
-                rows.append((name, 124, 0, "not started: past --deadline-s"))
+                rows.append((name, 124, 0, "not started: past --budget-s"))
                 continue
             print(f"== {time.strftime('%H:%M:%S')} {name}", flush=True)
             session.worst_rc, start = 0, time.monotonic()
@@ -370,24 +453,38 @@ def list_steps() -> str:
     return "\n".join(f"{name:<{width}}  {help_text}" for name, (help_text, _) in gpu_steps.STEPS.items())
 
 
+def _name_and_wheel(text: str) -> tuple[str, Path]:
+    name, equals, path = text.partition("=")
+    if not (name and equals and path):
+        raise argparse.ArgumentTypeError(f"expected NAME=WHEEL, got {text!r}")
+    return name, Path(path)
+
+
 def add_parser(commands) -> None:
-    command = commands.add_parser("gpu", help="run steps on the GPU machine (tests, benchmarks, profiles)",
+    command = commands.add_parser("gpu", help="run the GPU steps on a CUDA host (tests, benchmarks, profiles)",
                                   description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     command.add_argument("steps", nargs="*", default=["tests"], metavar="STEP", help="steps in order, together (default: tests)")
     command.add_argument("--list", action="store_true", help="list the steps and exit")
     command.add_argument("--dry-run", action="store_true", help="print the command lines instead of running them")
-    command.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "/tmp/gpu-session-out")),
-                         help="results and logs go here (default $OUT)")
-    command.add_argument("--scratch", type=Path, default=Path("/tmp/forktools-gpu"),
-                         help="installed wheels and variant test folders (not returned)")
+    command.add_argument("--out", type=Path, default=DEFAULT_OUT, metavar="DIR",
+                         help=f"results, summary.txt, logs.tar.gz and the wheels built here go here (default ./{DEFAULT_OUT})")
+    command.add_argument("--scratch", type=Path, default=DEFAULT_SCRATCH, metavar="DIR",
+                         help=f"installed wheels, kernel caches and variant test folders (default {DEFAULT_SCRATCH})")
+    command.add_argument("--wheels", type=Path, metavar="DIR",
+                         help="prebuilt wheels (loose, or in the tar files an earlier run wrote to --out): those whose "
+                              "label is this checkout's are installed instead of built")
     wheel = command.add_mutually_exclusive_group()
-    wheel.add_argument("--wheel", type=Path, metavar="TAR",
-                       help="install the flash-attn wheel in TAR (e.g. a variant's), no build")
+    wheel.add_argument("--wheel", type=Path, metavar="FILE",
+                       help="install this flash-attn wheel (a .whl, or a .tar holding one, e.g. a variant's), no build")
     wheel.add_argument("--reuse-fa2-wheel", action="store_true",
-                       help=f"install {CARRIED_WHEEL} unbuilt (and {CARRIED_FA3_WHEEL} when it is this commit's), "
-                            "build only flash-attn-4's wheel, python/ first on the path (for a commit whose flash-attn "
-                            "patches and overlay are the wheel's: a Python-only change)")
-    command.add_argument("--cutedsl-site", type=Path, help="the unpacked CuTe-DSL runtime (gpu_session.sh passes it)")
+                       help="install the flash-attn wheel of --wheels unbuilt whatever its label (and FA-3's when its label "
+                            "matches), build only flash-attn-4's wheel, python/ first on the path (for a checkout whose "
+                            "flash-attn patches and overlay are the wheel's: a Python-only change)")
+    command.add_argument("--cutedsl-site", type=Path, metavar="DIR",
+                         help="a folder holding FA-4's CuTe-DSL runtime (pip install --target DIR); without it FA-4 is absent")
+    command.add_argument("--budget-s", type=float, default=0, metavar="S",
+                         help="S seconds after the start no command starts and running ones are killed with their "
+                              "children, so the summary and logs.tar.gz are written within S (default 0: no limit)")
     command.add_argument("--pytest-args", dest="test_selection", default="tests",
                          help="what the tests step runs (files, -k; default tests)")
     command.add_argument("--pytest-timeout", type=int, default=900, metavar="S")
@@ -396,7 +493,7 @@ def add_parser(commands) -> None:
     command.add_argument("--no-profile-ncu", action="store_true", help="profile step without ncu")
     command.add_argument("--sweep-args", default="", help="extra profile_decode.py --split-sweep arguments")
     command.add_argument("--variant", dest="variants", action="append", type=Path, metavar="DIFF",
-                         help="variants step: this diff (repeatable; default .carry/variants/*.diff)")
+                         help="variants step: a diff made by `forktools variant` (repeatable)")
     command.add_argument("--variant-tests", default="all", metavar="NAMES",
                          help="variants whose GPU tests run: all, none, or names")
     command.add_argument("--ncu-targets", default="B8_Sq1 B1_Sq1", help="ncu-dense's shapes")
@@ -404,19 +501,17 @@ def add_parser(commands) -> None:
     command.add_argument("--fa3-variant", dest="fa3_variants", action="append", type=Path, metavar="DIFF",
                          help="fa3-variants step: a hopper/ diff on the patched tree (e.g. benchmarks/experiments/fa3-*.diff), "
                               "or several joined by + built together as one variant")
+    command.add_argument("--fa4-variant", dest="fa4_variants", action="append", type=_name_and_wheel, default=[],
+                         metavar="NAME=WHEEL", help="fa4-prefill-check step: also this flash-attn-4 wheel (repeatable)")
     command.add_argument("--upstream-fa3-k", default="test_flash_attn_output and not paged",
                          help="upstream-fa3 step: pytest -k over hopper/test_flash_attn.py")
     command.add_argument("--sanitize-args", default="", metavar="ARGS",
                          help="sanitize step: more tests/sanitize.py arguments (--tools, --only fa3, --module-loading eager)")
     command.add_argument("--sanitize-fuzz-count", type=int, default=30, metavar="N",
-                         help="sanitize-fuzz's configurations (30 took 237 s for the three tools on the H200, run 96)")
-    command.add_argument("--deadline-s", type=float, default=560, metavar="S",
-                         help="S seconds after the start no command starts and running ones are killed, so the summary "
-                              "and logs.tar.gz are written before the device tool's 600 s limit kills the call (run 157 "
-                              "lost both); 0: none")
+                         help="sanitize-fuzz's configurations (30 fit the step's 420 s for the three tools)")
     command.add_argument("--fuzz-seed", type=int, default=0)
     command.add_argument("--fuzz-budget-s", type=int, default=240,
-                         help="fuzz: seconds after which no configuration is drawn (2,000 took 89 s, run 89)")
+                         help="fuzz: seconds after which no configuration is drawn")
     command.set_defaults(run=_command)
 
 

@@ -10,6 +10,7 @@ import shlex
 import shutil
 import sys
 import tarfile
+import tempfile
 from pathlib import Path
 
 PY = sys.executable
@@ -90,7 +91,7 @@ def fa3_site(session, name: str, wheel: Path | None) -> dict | None:
 
 
 def fa3(session) -> str:
-    env = fa3_site(session, "fa3", session.newest("flash_attn_3-*.whl", exclude="mutant"))
+    env = fa3_site(session, "fa3", session.fa3_wheel)
     if env is None:
         return "fa3 install: FAILED (no flash_attn_3 wheel in dist/?)"
     return run_pytest(session, "fa3", FA3_TESTS, env=env)
@@ -121,16 +122,16 @@ def fa3_variants(session) -> str:
     diffs = session.options.fa3_variants or []
     if not diffs:
         return "no --fa3-variant given"
-    baseline = fa3_site(session, "fa3", session.newest("flash_attn_3-*.whl", exclude="mutant"))
+    baseline = fa3_site(session, "fa3", session.fa3_wheel)
     if baseline is None:
         return "fa3 install: FAILED (no flash_attn_3 wheel in dist/?)"
     results = [_fa3_bench(session, "fa3-baseline", baseline)]
     for diff in diffs:
         # "a.diff+b.diff": the diffs applied together, one build measuring both
         parts = str(diff).split("+")
-        name = "-and-".join(Path(part).stem for part in parts)  # a plain file name for $OUT
-        # --fa3-only: the FA-2 wheel in use stays (a build of both would rebuild FA-2 whenever the
-        # carried one's label is not this commit's: 321 s in run 142, the call's whole budget).
+        name = "-and-".join(Path(part).stem for part in parts)  # a plain file name in --out
+        # --fa3-only: the FA-2 wheel in use stays (a build of both would also rebuild FA-2 whenever
+        # the installed one's label is not this checkout's, minutes for no use here).
         if session.forktools("build", "--fa3-only", "--profile", "dev", "--reuse",
                              *(arg for part in parts for arg in ("--mutation", part)),
                              output=session.logs / f"fa3-variant-{name}-build.log"):
@@ -177,19 +178,53 @@ def bench(session) -> str:
     return _bench(session, "bench", "--shapes", session.options.bench_shapes)
 
 
+PRISTINE_FA4 = "flash-attn-4"  # its name in upstream/lock.toml
+
+
+def lay_pristine_fa4(root: Path, folder: Path) -> None:
+    """flash-attn-4 as released, from the pinned sdist in the upstream cache (sha256-checked by
+    forktools.upstream.unpack): its package files under flash_attn/cute/ and a dist-info naming its
+    version. Laid, not pip-installed: the package is pure Python and its own build needs the git
+    tags the sdist lacks (forktools.wheel_fa4 says the same of the patched wheel)."""
+    from forktools import upstream
+    from forktools.layout import Layout
+    recreate(folder)
+    with tempfile.TemporaryDirectory(prefix="forktools-fa4-pristine-") as scratch:
+        source = Path(scratch) / "source"
+        upstream.unpack(Layout.at(root), PRISTINE_FA4, source)
+        package = folder / "flash_attn" / "cute"
+        package.mkdir(parents=True)
+        for file in sorted(source.glob("*.py")):
+            shutil.copyfile(file, package / file.name)
+        pkg_info = (source / "PKG-INFO").read_text()
+    version = re.search(r"^Version: (\S+)$", pkg_info, re.M)[1]
+    info = folder / f"flash_attn_4-{version}.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text(pkg_info)
+
+
+def fa4_site_first(session, folder: Path, cache_name: str) -> dict:
+    """An environment placing a flash-attn-4 folder before this build's (the CuTe-DSL runtime stays
+    on the path), with its own kernel cache: the same kernel names compile from other sources."""
+    return {"PYTHONPATH": os.pathsep.join(p for p in (str(folder), session.env.get("PYTHONPATH")) if p),
+            "FLASH_ATTENTION_CUTE_DSL_CACHE_DIR": f"{session.kernel_cache}-{cache_name}"}
+
+
+def pristine_fa4_env(session) -> dict:
+    folder = session.scratch / "fa4-pristine"
+    session.act(f"lay pristine flash-attn-4 from the pinned sdist into {folder}", lay_pristine_fa4, session.root, folder)
+    return fa4_site_first(session, folder, "pristine")
+
+
 def bench_pristine_fa4(session) -> str:
-    """The bench step's shapes with flash-attn-4's own block-sparse call on the pristine release
-    (.carry/fa4pristine/flash_attn_4-*.whl laid in for the run, this build's laid back after)."""
-    wheels = sorted(session.root.glob(".carry/fa4pristine/flash_attn_4-*.whl"))
-    if not wheels:
+    """The bench step's shapes with flash-attn-4's own block-sparse call on the pristine release."""
+    if not session.cutedsl_site:
         session.worst_rc = 1
-        return "bench-pristine-fa4: no wheel in .carry/fa4pristine"
-    log = session.logs / "bench-pristine-fa4.log"
-    if session.lay_fa4_wheel(wheels[0]) == 0:
-        session.run([PY, "benchmarks/bench_sparse.py", "--pristine-fa4", "--shapes", session.options.bench_shapes,
-                     "--json", session.out / "bench-pristine-fa4.json", "--markdown", session.out / "bench-pristine-fa4.md"],
-                    output=log, timeout=600, env={"FLASH_ATTENTION_CUTE_DSL_CACHE_DIR": "/tmp/cutedsl-cache-pristine"})
-    session.lay_fa4_wheel(session.fa4_wheel)
+        return "bench-pristine-fa4: needs --cutedsl-site (flash-attn-4's runtime)"
+    env = pristine_fa4_env(session)
+    session.run([PY, "benchmarks/bench_sparse.py", "--pristine-fa4", "--shapes", session.options.bench_shapes,
+                 "--json", session.out / "bench-pristine-fa4.json", "--markdown", session.out / "bench-pristine-fa4.md"],
+                output=session.logs / "bench-pristine-fa4.log", timeout=600, env=env)
     return f"{_line_count(session, session.out / 'bench-pristine-fa4.md')} lines in bench-pristine-fa4.md"
 
 
@@ -263,7 +298,7 @@ def _lay_variant_root(repo: Path, root: Path, tests_dir: Path) -> None:
 
 
 def variants(session) -> str:
-    diffs = session.options.variants or sorted((session.root / ".carry/variants").glob("*.diff"))
+    diffs = session.options.variants or []
     chosen = session.options.variant_tests.split()
     results = []
     for diff in diffs:
@@ -294,7 +329,7 @@ def _tar_wheel(session, name: str) -> None:
 
 
 def tar_one(path: Path, tar_path: Path) -> None:
-    # "+" in a wheel's name does not come back from the device machine; a tar does.
+    # A tar keeps a wheel's name whole ("+" and its local label) wherever the file is copied.
     with tarfile.open(tar_path, "w") as tar:
         tar.add(path, arcname=path.name)
 
@@ -356,20 +391,25 @@ def _ncu_fa3(session, name: str, shape: str, density: float) -> str:
 
 
 def fa4_prefill_check(session) -> str:
-    """This flash-attn-4, then each wheel in .carry/fa4variants/NAME/ and the pristine release if
-    carried in .carry/fa4pristine, each with its own kernel cache; this build's is laid back after."""
+    """This build's flash-attn-4, then each --fa4-variant wheel and the pristine release, each first
+    on the path in its own run with its own kernel cache."""
     report, errors = session.out / "fa4-prefill-check.txt", session.logs / "fa4-prefill-check.log"
     session.run([PY, "benchmarks/fa4_prefill_check.py"], output=report, stderr=errors, timeout=150)
-    others = sorted(session.root.glob(".carry/fa4variants/*/flash_attn_4-*.whl"))
-    others += sorted(session.root.glob(".carry/fa4pristine/flash_attn_4-*.whl"))
-    for wheel in others:
-        name = wheel.parent.name
-        flags = ["--pristine"] if name == "fa4pristine" else ["--label", name]
-        if session.lay_fa4_wheel(wheel) == 0:
-            session.run([PY, "benchmarks/fa4_prefill_check.py", *flags], output=report, append=True, stderr=errors,
-                        timeout=150, env={"FLASH_ATTENTION_CUTE_DSL_CACHE_DIR": f"/tmp/cutedsl-cache-{name}"})
-    session.lay_fa4_wheel(session.fa4_wheel)
-    return f"{sum(' ms ' in line for line in session.read(report).splitlines())} rows in fa4-prefill-check.txt"
+    if not session.cutedsl_site:
+        return f"{_rows(session, report)} rows in fa4-prefill-check.txt (no --cutedsl-site: variants and pristine skipped)"
+    for name, wheel in session.options.fa4_variants:
+        folder = session.scratch / f"fa4-variant-{name}"
+        session.act(f"empty {folder}", recreate, folder)
+        if session.pip_install(wheel, folder) == 0:
+            session.run([PY, "benchmarks/fa4_prefill_check.py", "--label", name], output=report, append=True, stderr=errors,
+                        timeout=150, env=fa4_site_first(session, folder, name))
+    session.run([PY, "benchmarks/fa4_prefill_check.py", "--pristine"], output=report, append=True, stderr=errors,
+                timeout=150, env=pristine_fa4_env(session))
+    return f"{_rows(session, report)} rows in fa4-prefill-check.txt"
+
+
+def _rows(session, report: Path) -> int:
+    return sum(" ms " in line for line in session.read(report).splitlines())
 
 
 def fuzz(session) -> str:
@@ -382,7 +422,7 @@ def fuzz(session) -> str:
 
 def upstream_fa2(session) -> str:
     log = session.logs / "upstream-fa2.log"
-    # About 4,900 small cases: eight pytest workers share the GPU (pytest-xdist is on the GPU machine).
+    # Thousands of small cases: eight pytest workers (pytest-xdist) share the GPU.
     session.run([PY, "tests/upstream/run_upstream.py", "-n", "8"], output=log, timeout=session.options.pytest_timeout)
     return f"upstream FA-2 tests: {_last_line(session, log)}"
 
@@ -433,8 +473,8 @@ def eager_ab(session) -> str:
 
 
 def host_profile(session) -> str:
-    """cProfile of the one-shot call per backend (benchmarks/one_shot_profile.py), into logs/: the
-    device tool returns few files, and the logs come back as one tarball."""
+    """cProfile of the one-shot call per backend (benchmarks/one_shot_profile.py), into logs/: a
+    diagnostic, kept in logs.tar.gz with the other logs rather than as a result file."""
     log = session.logs / "one-shot-profile.log"
     session.run([PY, "benchmarks/one_shot_profile.py", "--out", session.logs], output=log, timeout=120)
     found = (session.logs / "one-shot-profile.txt").exists()
@@ -491,9 +531,10 @@ STEPS = {
                        ncu_fa3_decode),
     "ncu-source": ("per-SASS-instruction counters and stalls of the sparse kernel, every block listed, B1 Sq1", ncu_source),
     "ncu-spec": ("the same for the union pass and the one-launch speculative call, B8 Sq16 1/16", ncu_spec),
-    "bench-pristine-fa4": ("the bench step's shapes: flash-attn-4's own block-sparse call, pristine release (.carry/fa4pristine)",
-                           bench_pristine_fa4),
-    "fa4-prefill-check": ("benchmarks/fa4_prefill_check.py on this, carried variant and pristine flash-attn-4", fa4_prefill_check),
+    "bench-pristine-fa4": ("the bench step's shapes: flash-attn-4's own block-sparse call, the pristine release laid from "
+                           "the pinned sdist", bench_pristine_fa4),
+    "fa4-prefill-check": ("benchmarks/fa4_prefill_check.py on this, each --fa4-variant and pristine flash-attn-4",
+                          fa4_prefill_check),
     "fuzz": ("tests/fuzz/run.py --seed --fuzz-seed --budget-s --fuzz-budget-s", fuzz),
     "upstream-fa2": ("upstream FA-2's tests on this wheel (tests/upstream/run_upstream.py)", upstream_fa2),
     "example": ("every examples/*.py, each must exit 0", examples),

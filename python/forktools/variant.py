@@ -1,6 +1,6 @@
 """An experiment branch as one diff over a base's patched tree: the form `forktools build
 --mutation` applies, so `python -m forktools gpu variants` can build, test and profile
-a branch beside the base in one GPU call. Both trees are laid as a build lays them
+a branch beside the base in one GPU run. Both trees are laid as a build lays them
 (series.materialize), so the diff shows changes to patches, overlay files and the Python package
 alike. The branch must contain the base (rebase it first), and the diff is checked before it is
 returned: applied to the base tree it must give the branch tree, file for file."""
