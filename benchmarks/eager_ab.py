@@ -1,11 +1,10 @@
 """Same-run A/B of eager calls that run one kernel by two routes: `backend="fa3"` against `auto`
-where its eager choice is FA-3 (routing.eager_choice). The crossovers of runs 146 and 148 (H100)
-read auto's eager time 7-14% above fa3's at some prefill rows and below it at others, each
-column timed after the other. Here the two take turns pass by pass (and a pass of `auto` follows
-a pass of FA-4's host-bound calls, where the GPU idles), so drift weighs on both alike; and
-torch.profiler lists the kernels each route launches over the same calls, which says whether the
-routes differ on the GPU at all. Run 150 (H200): the same kernels at the same GPU times, auto /
-fa3 0.989-1.016, one route's passes spread by up to 13%: the earlier gaps were drift.
+where its eager choice is FA-3 (routing.eager_choice). Crossovers that time one column after the
+other read auto's eager time above fa3's at some prefill rows and below it at others. Here the
+two take turns pass by pass (and a pass of `auto` follows a pass of FA-4's host-bound calls,
+where the GPU idles), so drift weighs on both alike; and torch.profiler lists the kernels each
+route launches over the same calls, which says whether the routes differ on the GPU at all (the
+answer, and the spread between passes: docs/performance.md).
 
     python benchmarks/eager_ab.py [--out DIR] [--rounds 5]   (GPU; writes eager-ab.md)
 """
@@ -24,7 +23,7 @@ import flash_attn_sparse as fas  # noqa: E402
 from flash_attn_sparse.backends import cute  # noqa: E402
 from profile_decode import kernel_breakdown  # noqa: E402
 
-# The crossover rows where run 148 read auto's eager FA-3 above (or below) backend="fa3".
+# The crossover rows where auto's eager FA-3 read above (or below) backend="fa3" when timed in turn.
 SHAPES = [bench.Shape(f"B1 Sq{sq} H32/8 Sk16k", 1, sq, 16384, 32, 8, density)
           for sq, density in ((512, 0.25), (1024, 0.25), (1024, 0.0625), (2048, 0.25), (2048, 0.0625), (4096, 0.0625))]
 

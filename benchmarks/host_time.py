@@ -283,12 +283,12 @@ def main():
     dst = torch.empty_like(src)
     copy_us = (host_us_after_sync(lambda: dst.copy_(src)), back_to_back_us(lambda: dst.copy_(src)))
     empty_us = back_to_back_us(lambda: None)
-    # The first shape measured once and dropped: in run 125 every first row, a lone copy's
-    # included, read 20-70% above the same calls later in the process.
+    # The first shape measured once and dropped: a process's first rows, a lone copy's included,
+    # read well above the same calls later in the process.
     for backend in args.backends.split(",")[:1]:
         measure(shapes[0], backend)
-    # Whole passes over every row, and each figure the median of its passes: in runs 125-129 the
-    # same call's median moved by up to 30% from row to row as the host slowed and recovered.
+    # Whole passes over every row, and each figure the median of its passes: a host slows and
+    # recovers within a run, and the same call's median moved with it from row to row.
     passes = {}
     for _ in range(args.passes):
         for shape in shapes:
