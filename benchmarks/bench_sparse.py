@@ -53,9 +53,9 @@ from flash_attn_sparse.backends import cute, fa3_ops, fa4  # noqa: E402
 BLOCK = 128
 ROTATIONS = 4
 # eager_and_host's call counts: the eager column is the median of EAGER_PASSES passes of
-# EAGER_CALLS calls, so a one-off stall in one pass does not set it. Passes of one route spread by
-# up to 13% at prefill (run 150, eager_ab.py): two methods' eager columns can differ that much
-# with the same kernel. eager_ab.py times two routes in turns where that matters.
+# EAGER_CALLS calls, so a one-off stall in one pass does not set it. Passes of one route can
+# spread by over 10% at prefill, so two methods' eager columns can differ that much with the
+# same kernel.
 EAGER_WARMUP, EAGER_CALLS, EAGER_PASSES, HOST_CALLS = 10, 100, 3, 200
 DEFAULT_METHODS = ",".join(("copy", "read_listed", "fa2_sparse", "fa3_sparse", "fa4_sparse", "fa4_direct", "auto", "plan_run",
                             "fa2_dense", "fa3_dense_listed", "fa3_dense_listed_128", "fa2_dense_listed", "cudnn_listed",
@@ -493,10 +493,8 @@ def bench_shape(shape, roofline, rows, methods, pristine=False):
     if "split_sweep" in methods and shape.seqlen_q <= 16 and not fa4_missing:
         for splits in (1, 2, 4, 8, 16, 32, 64):  # 32, 64: one or two blocks per split at B1 1/16
             add(f"fa4_sparse splits={splits}", ours("fa4", splits))
-    if "auto" in methods and not fa4_missing:
-        graph_choice, eager_choice = (fas.choose_backend(q, k, v, blocks[0], causal=shape.causal, graph=graph)[0]
-                                      for graph in (True, False))
-        add("auto", ours("auto"), f"chose {graph_choice}" + (f", eagerly {eager_choice}" if eager_choice != graph_choice else ""))
+    if "auto" in methods:
+        add("auto", ours("auto"), f"chose {fas.choose_backend(q, k, v, blocks[0], causal=shape.causal)[0]}")
     if "plan_run" in methods:
         # Plan once, run many: a SparsePlan per list set made outside the timing; run() is timed,
         # for host_us beside the API call's (auto, fa2_sparse, fa3_sparse rows).
@@ -564,8 +562,8 @@ def bench_shape(shape, roofline, rows, methods, pristine=False):
                 "dense FA-3 over K/V gathered to the listed keys")
     if "fa3_dense_listed_128" in methods and shape.causal:
         # fa3_dense_listed's keys in the sparse path's 128-key steps: the tile-size share of the
-        # causal gap. (A copy of each tile's own listed keys would make the peer read 4.6 GB at
-        # 1/4, private copies that the sparse call's tiles share through L2: 1.55x its time, run 175.)
+        # causal gap. (A private copy of each tile's own listed keys would make the peer read
+        # several GB that the sparse call's tiles share through L2, so it would not be a peer.)
         dense_128 = fa3_dense_128(q, shape.seqlen_q)
         if isinstance(dense_128, str):
             print(f"  fa3_dense_listed_128: skipped: {dense_128}", flush=True)
@@ -618,10 +616,8 @@ DECODE = [Shape(f"decode B8 Sq{sq} H32/8 Sk32k", 8, sq, 32768, 32, 8, d) for sq 
 # diagonal block as a "mask" block and earlier blocks at the density (make_causal_lists).
 PREFILL = [Shape("prefill B1 S16k H32 full", 1, 16384, 16384, 32, 32, d) for d in (1.0, 1 / 4, 1 / 16)] + \
           [Shape("prefill B1 S16k H32 causal", 1, 16384, 16384, 32, 32, d, causal=True) for d in (1.0, 1 / 4, 1 / 16)]
-# How fa2, fa3 and fa4 trade places as query rows grow (auto's FA4_MIN_QUERY_ROWS, FA3_MIN_QUERY_ROWS
-# and FA3_MAX_DENSITY_INVERSE).
-# decode first: the open question (FA-3 led FA-2 at B8 Sq16 by 7-8%, not at Sq1), so a run cut
-# short still answers it; the prefill rows were measured before (routing.py's table)
+# How fa2, fa3 and fa4 trade places as query rows grow: the data behind auto's FA3_MIN_QUERY_ROWS
+# and FA3_MIN_PACKED_ROWS (routing.py), decode rows first.
 CROSSOVER = [Shape(f"crossover decode B{b} Sq{sq} H32/8 Sk32k", b, sq, 32768, 32, 8, 1 / 16,
                    only=("fa2_sparse", "fa3_sparse", "fa4_sparse", "auto"))
              for b in (1, 8) for sq in (1, 4, 8, 16, 32)] + \

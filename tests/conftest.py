@@ -40,20 +40,18 @@ def pytest_collection_modifyitems(config, items):
                 item.add_marker(pytest.mark.skip(reason=reason))
 
 
-# Modules that test FA-4 and FA-3 routing themselves (their results, or a rule over every backend).
+# Modules that test auto's routing themselves (its results, or a rule over every backend).
 MODULES_THAT_ROUTE_AWAY_FROM_FA2 = {"test_stage4_fa4", "test_nan_propagation_gpu", "test_plan_gpu", "test_fa4_patched_marker",
-                                    "test_contract_every_backend_gpu", "test_auto_routing"}
+                                    "test_contract_every_backend_gpu", "test_auto_routing", "test_contract_gqa_gpu"}
 
 
 @pytest.fixture(autouse=True)
 def auto_stays_on_fa2(request, monkeypatch):
     """Outside the modules above backend="auto" takes FA-2, so that the tests of the FA-2 kernels
-    test them on a machine with the FA-4 runtime and the FA-3 build too: there auto sends most
-    fixed-length calls to FA-4 and prefill-shaped ones to FA-3 (test_stage4_fa4.py and
-    test_auto_routing.py test that routing). backend="fa3" requested stays available."""
+    test them on a machine with the FA-3 build too, where auto sends prefill-shaped and packed
+    decode calls to FA-3 (test_auto_routing.py tests that rule). backend="fa3" requested stays
+    available."""
     from flash_attn_sparse import interface, routing
     interface._decisions.clear()  # the one-shot cache would carry one test's routing into the next
     if request.module.__name__ not in MODULES_THAT_ROUTE_AWAY_FROM_FA2:
-        from flash_attn_sparse.backends import fa4
-        monkeypatch.setattr(fa4, "refusal", lambda *args, **kwargs: "FA-2 kept by tests/conftest.py")
-        monkeypatch.setattr(routing, "_fa3_reason", lambda call: None)
+        monkeypatch.setattr(routing, "fa3_reason", lambda call: None)

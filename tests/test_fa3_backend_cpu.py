@@ -3,6 +3,8 @@
 extension's fwd_into on the eager launcher, the ops fwd (allocates out) / fwd_out (writes the
 caller's out, no copy) on the traceable path. The kernel itself: test_stage4_fa3_sparse.py."""
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -30,17 +32,35 @@ def lists(width=3, mask_width=None):
     return SparseBlocks(full_cnt, full_idx, full_cnt.clone(), torch.zeros(B, HK, 1, mask_width, dtype=torch.int32), block_size=128)
 
 
-@pytest.mark.parametrize("group, list_heads, q_block_size, packs", [
-    (4, 1, 128, True), (4, 8, 128, True), (4, 32, 128, False),  # per-query-head lists never pack
-    (64, 1, 128, True),  # 2 query rows per 128-row tile, 1 per 64-row tile of a packed split call
-    (128, 1, 128, False),  # a packed split call's 64-row tile cannot hold the group
-    (4, 1, 16, False),  # a 128-row tile's 32 query rows would straddle 16-row query blocks
+@pytest.mark.parametrize("group, list_heads, q_block_size, seqlen_q, packs", [
+    (4, 1, 128, 16, True), (4, 8, 128, 16, True), (4, 32, 128, 16, False),  # per-query-head lists never pack
+    (3, 8, 128, 4096, True), (5, 8, 128, 4096, True), (7, 1, 128, 4096, True),  # a 128-row list row: whole tiles
+    (64, 1, 128, 4096, True), (128, 1, 128, 4096, True),  # a tile of one query position's heads
+    (3, 8, 64, 13, True), (7, 8, 64, 64, True),  # one list row for every query: any group
+    (3, 8, 64, 4096, False), (5, 8, 64, 4096, False),  # 64-row list rows of 192 / 320 packed rows straddle tiles
+    (2, 8, 64, 4096, True), (6, 8, 64, 4096, True),  # ... of 128 / 384 rows fill them
+    (1, 1, 128, 16, False),  # no GQA: nothing to pack
 ])
-def test_query_heads_pack_only_where_both_tiles_hold_whole_rows(group, list_heads, q_block_size, packs):
-    """The host's PackGQA rule (flash_api_sparse.cpp mirrors it): the group divides the packed
-    split kernel's 64 rows, and query blocks are whole 128-row tiles' packed rows."""
-    num_heads = 32 * group if group > 32 else 32
-    assert fa3_ops._packs_query_heads(group, list_heads, num_heads, q_block_size) is packs
+def test_query_heads_pack_where_no_tile_straddles_two_list_rows(group, list_heads, q_block_size, seqlen_q, packs):
+    """The host's PackGQA rule (flash_api_sparse.cpp mirrors it) for any group: lists shared by
+    the group, and either one list row for every query or list rows of whole 128-row tiles."""
+    num_heads = 8 * group if list_heads != 32 else 32
+    assert fa3_ops._packs_query_heads(group, list_heads, num_heads, q_block_size, seqlen_q) is packs
+
+
+def test_the_cpp_host_states_the_same_rule():
+    source = (Path(__file__).parents[1] / "patches/overlay/flash-attn-3/hopper/flash_api_sparse.cpp").read_text()
+    assert "bool const one_list_row = q_block_size >= seqlen_q;" in source
+    assert "bool const packed_rows_fill_tiles = one_list_row || (q_block_size * group) % kBlockM == 0;" in source
+    assert "sp.tiles_per_row = one_list_row ? kOneListRow : int(int64_t(q_block_size) * (pack ? group : 1) / tile_m);" in source
+    assert fa3_ops.TILE_M == 128
+
+
+def test_groups_1_2_4_8_16_pack_as_before_at_128_row_lists():
+    """The rule only widens: where the group divides the 64-row tile, packing is unchanged."""
+    for group in (2, 4, 8, 16):
+        for seqlen_q in (1, 16, 4096):
+            assert fa3_ops._packs_query_heads(group, 8, 8 * group, 128, seqlen_q)
 
 
 def test_the_host_rules_are_refused_with_their_reason(sm90):

@@ -109,3 +109,22 @@ def test_fa4_split_model_against_every_measured_split_table():
     rows = fit_split_model.regrets(fit_split_model.read_tables(results))
     assert len(rows) == 27
     assert max(regret for *_, regret in rows) <= 0.02, [r for r in rows if r[-1] > 0.02]
+
+
+@pytest.mark.parametrize("group, list_heads, q_block_size, seqlen_q, packs", [
+    (4, 8, 128, 16, True), (3, 8, 128, 16, True), (5, 1, 128, 13, True), (7, 8, 64, 7, True),  # one list row
+    (4, 32, 128, 16, False),  # per-query-head lists
+    (3, 8, 64, 63, True),  # one list row of 189 packed rows over three tiles
+    (6, 8, 128, 32, True),  # 128-row list rows, 768 packed rows: whole 64-row tiles
+    (1, 1, 128, 16, False), (4, 8, 128, 64, False),  # no GQA; 64+ query rows fill tiles unpacked
+])
+def test_fa2_packs_any_group_where_no_tile_straddles_two_list_rows(group, list_heads, q_block_size, seqlen_q, packs):
+    """fa2.pack_gqa, the rule flash_api_sparse.cpp checks (packed row r: query r / group, head
+    r % group): decode-shaped calls whose lists the group shares, one list row for every query or
+    list rows of whole 64-row tiles."""
+    blocks = SimpleNamespace(num_heads=list_heads, resolved_q_block_size=lambda seqlen: q_block_size)
+    call = SimpleNamespace(q=torch.empty(1, seqlen_q, 8 * group if list_heads != 32 else 32, 128),
+                           k=torch.empty(1, 1, 8, 128), blocks=blocks, max_seqlen_q=seqlen_q)
+    assert fa2.pack_gqa(call) is packs
+    cpp = (Path(__file__).parents[1] / "patches/overlay/flash-attn/csrc/flash_attn/flash_api_sparse.cpp").read_text()
+    assert "q_block_size >= seqlen_q || (int64_t(q_block_size) * group) % kSparseNarrowBlockM == 0" in cpp

@@ -91,7 +91,7 @@ def test_per_query_head_gqa_lists_reach_flash_attn_4_with_their_head_count(monke
     assert seen["mask_block_cnt"].shape == seen["full_block_cnt"].shape == (1, 16, 3)
     assert seen["mask_block_idx"].shape[:3] == (1, 16, 3)
     q, k = torch.empty(1, 300, 16, 128), torch.empty(1, 512, 4, 128)
-    assert not fa4.packs_query_heads(q, k, blocks)
+    assert fa4._packed(q, k, blocks) == (16, 1)  # per-query-head lists: unpacked
     assert fa4.tiles(q, k, blocks, batch=1, max_seqlen_q=300) == 16 * 3
 
 

@@ -13,27 +13,22 @@ from .backends import BACKENDS, fa2
 from .backends.device import MAX_SPLITS
 from .calls import TENSOR_FIELDS, BlockTable, SparseCall, as_blocks, broadcast_batch, check_out
 from .metadata import SparseBlocks, exhaustive_validation_requested, fail
-from .routing import capturing, choose, choose_now, eager_choice
+from .routing import choose
 
 logger = logging.getLogger("flash_attn_sparse")
 
 
 class Decision:
     """What planning a call decides: the validated call (its tensors dropped when cached), the
-    backend and its split count, and where auto's choice differs outside a graph capture
-    (eager_choice), the Decision that runs it there (`eager`)."""
+    backend and its split count."""
 
-    def __init__(self, call: SparseCall, choice: Optional[Tuple[str, str]] = None):
-        self.backend, self.why = choice or choose(call)
+    def __init__(self, call: SparseCall):
+        self.backend, self.why = choose(call)
         self.num_splits = BACKENDS[self.backend].num_splits(call)
         self.call = call
         self._launch = None
-        eager = None if choice or torch.compiler.is_compiling() else eager_choice(call, self.backend, self.num_splits)
-        self.eager = Decision(call, eager) if eager else None
 
     def run(self, call: SparseCall, out: Optional[Tensor] = None) -> Tuple[Tensor, Tensor]:
-        if self.eager is not None and not capturing():
-            return self.eager.run(call, out)
         if not torch.compiler.is_compiling() and logger.isEnabledFor(logging.DEBUG):
             logger.debug("sparse forward on %s (%s)", self.backend, self.why)
         return BACKENDS[self.backend].run(call, self.num_splits, out)
@@ -43,8 +38,6 @@ class Decision:
         """Prepares launch() for calls like `call` (validated from the caller's q, k, v, blocks,
         into outs like `out`) and drops the call's tensors: the backend's launcher if it has one,
         and what the call changed of the caller's tensors (a contiguous copy, batch-broadcast lists)."""
-        if self.eager is not None:
-            self.eager.bind(call, q, k, v, blocks, out)
         launcher = getattr(BACKENDS[self.backend], "launcher", None)
         self._launch = launcher(call, self.num_splits, out=out) if launcher is not None else None
         self._contiguous = call.q is not q or call.k is not k or call.v is not v
@@ -53,8 +46,6 @@ class Decision:
 
     def launch(self, q, k, v, blocks: SparseBlocks, out: Optional[Tensor], tensors: dict) -> Tuple[Tensor, Tensor]:
         """The bound forward over tensors of the facts bind() saw (the caller has compared them)."""
-        if self.eager is not None and not capturing():
-            return self.eager.launch(q, k, v, blocks, out, tensors)
         if self._contiguous:
             q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
         if self._broadcast:
@@ -160,14 +151,11 @@ def flash_attn_with_sparse_block_table(q: Tensor, k: Tensor, v: Tensor, sparse_b
     blocks of key positions. page_size is a multiple of 16 that divides block_size or is a
     multiple of it; seqlen_k is seqused_k, else max_pages * page_size.
     backend: "fa2" (this package's kernels), "fa3" (FA-3's SM90 kernel, the flash_attn_3
-    wheel), "fa4" (flash-attn-4's SM90 kernel, extra `[hopper]`) or "auto" (on SM90 FA-4 where
-    it can run the call and packs GQA query heads or its 128-row tiles hold 64+ query rows, else
-    FA-2; FA-3 for calls of 128+ query rows it takes where FA-2 would run them, and where FA-4
-    would not pack GQA heads, causal or listed at 1/16 or less by their lists' capacity; outside
-    a CUDA-graph capture FA-4 only from 400 us of modelled GPU time, FA4_EAGER_MIN_GPU_US, as
-    its host time per call would decide a shorter call; choose);
-    `choose_backend` tells which and `choose_num_splits_for` the split count, and the
-    "flash_attn_sparse" logger says so at DEBUG.
+    wheel), "fa4" (flash-attn-4's SM90 kernel, extra `[hopper]`) or "auto": on SM90 fa3 where
+    it takes the call and the call has 128+ query rows per sequence or packs 32+ query rows of a
+    K/V head into a tile, else fa2; the same choice eagerly, in a CUDA-graph capture and under
+    torch.compile (routing.py). `choose_backend` tells which and `choose_num_splits_for` the
+    split count, and the "flash_attn_sparse" logger says so at DEBUG.
     out: optional tensor like q (contiguous last dim) that receives the output (FA-4: by a copy).
     Repeated calls of one shape reuse the planning (run_cached); SparsePlan plans explicitly.
     """
@@ -216,15 +204,12 @@ def choose_num_splits_for(q: Tensor, k: Tensor, v: Tensor, blocks: BlockTable, *
 
 
 def choose_backend(q: Tensor, k: Tensor, v: Tensor, blocks: BlockTable, *, block_size: int = 128,
-                   num_splits: int = 0, backend: str = "auto", graph: Optional[bool] = None,
-                   **options) -> Tuple[str, str]:
+                   num_splits: int = 0, backend: str = "auto", **options) -> Tuple[str, str]:
     """(backend, why) that flash_attn_with_sparse_block_table would use for these arguments, or,
     given cu_seqlens_q, cu_seqlens_k, max_seqlen_q and max_seqlen_k as keywords,
     flash_attn_varlen_with_sparse_blocks. options also takes causal, softmax_scale, seqused_k and
-    page_table. graph: the choice inside a CUDA-graph capture (True) or outside one (False; auto
-    then weighs FA-4's host time, FA4_EAGER_MIN_GPU_US); None: as the current stream is. Never syncs."""
-    return choose_now(_call_to_choose_for(q, k, v, blocks, block_size, num_splits=num_splits, backend=backend,
-                                          **options), graph)
+    page_table. The answer holds eagerly and inside a CUDA-graph capture alike. Never syncs."""
+    return choose(_call_to_choose_for(q, k, v, blocks, block_size, num_splits=num_splits, backend=backend, **options))
 
 
 def flash_attn_sparse_partials(q: Tensor, k: Tensor, v: Tensor, block_groups: Sequence[BlockTable], *,

@@ -13,7 +13,6 @@ from .backends import BACKENDS, fa2, fa3, fa4
 from .calls import BlockTable, SparseCall, as_blocks, check_out
 from .interface import Decision, facts
 from .metadata import fail
-from .routing import capturing
 
 
 class SparsePlan:
@@ -38,10 +37,7 @@ class SparsePlan:
     remain, and it allocates its output, copied into out); a varlen FA-4 plan converts its lists
     on each run.
 
-    backend, why: where run goes inside a CUDA-graph capture; eager_backend, eager_why: outside
-    one. They differ only where auto chose FA-4 for a call whose modelled GPU time is too short
-    to hide FA-4's host time per call (routing.FA4_EAGER_MIN_GPU_US): the plan then also holds
-    a plan of the eager backend, and run asks whether the current stream is capturing.
+    backend, why: where run goes, eagerly and inside a CUDA-graph capture alike (routing.choose).
     """
 
     def __init__(self, q: Tensor, k: Tensor, v: Tensor, blocks: BlockTable, *, block_size: int = 128,
@@ -64,20 +60,7 @@ class SparsePlan:
         self.blocks = call.blocks  # batch-broadcast views of the caller's lists, where they had batch 1
         self._decision = Decision(call)
         self.backend, self.why, self.num_splits = self._decision.backend, self._decision.why, self._decision.num_splits
-        # Where auto's choice differs outside a CUDA-graph capture (routing.eager_choice), a plan
-        # of that backend runs the eager calls, into this plan's out.
-        self._eager_plan = None
-        self.eager_backend, self.eager_why = self.backend, self.why
-        if self._decision.eager is not None:
-            self.eager_backend, self.eager_why = self._decision.eager.backend, self._decision.eager.why
-            # validate="cheap": this plan's call has checked the lists' contents where asked to
-            # (a second exhaustive check would read them back, a host sync, again).
-            self._eager_plan = SparsePlan(q, k, v, blocks, block_size=block_size, causal=causal,
-                                          softmax_scale=softmax_scale, num_splits=num_splits,
-                                          backend=self.eager_backend, validate="cheap", seqused_k=seqused_k,
-                                          page_table=page_table, **shapes)
-        # One default output for both (run hands the eager plan this one's): the eager plan's.
-        self.out = self._eager_plan.out if self._eager_plan is not None else torch.empty_like(q)
+        self.out = torch.empty_like(q)
         self._facts = (facts(q), facts(k), facts(v))
         self._out_facts = facts(self.out)
         # The extension's arguments, the lists included, bound once: run adds q, k, v.
@@ -96,8 +79,6 @@ class SparsePlan:
 
     def run(self, q: Tensor, k: Tensor, v: Tensor, out: Optional[Tensor] = None) -> Tuple[Tensor, Tensor]:
         """(out, lse) of the planned forward over q, k, v (see the class)."""
-        if self._eager_plan is not None and not capturing():
-            return self._eager_plan.run(q, k, v, self.out if out is None else out)
         failure = None
         if self._planned is not None:
             # The extension's run compares dtype, device, shapes and strides itself (C++), so the

@@ -12,7 +12,10 @@ from .backends.device import MAX_SPLITS
 from .calls import BlockTable, SparseCall, as_blocks, check_out
 from .interface import run
 from .metadata import SparseBlocks, cdiv, exhaustive_validation_requested, fail, int_range, validate_block_contents
-from .routing import FA4_MIN_QUERY_ROWS, choose_now
+from .routing import choose
+
+# Query rows from which the missed pass on FA-4 runs the prefill form (both passes, merged).
+FA4_PREFILL_QUERY_ROWS = 128
 
 
 def _one_launch_refusal(q: Tensor, k_spec, v_spec, k: Tensor, v: Tensor, missed: SparseBlocks,
@@ -51,7 +54,7 @@ def flash_attn_speculative_sparse(q: Tensor, k_spec: Tensor, v_spec: Tensor, k: 
     page_table describe k and v (paged caches) as in flash_attn_with_sparse_block_table; k_spec
     and v_spec stay contiguous (batch, seqlen_spec, heads_k, head_dim).
 
-    Where the missed pass goes to FA-4 at prefill (seqlen_q >= 128), it runs there over every
+    With backend="fa4" at prefill (seqlen_q >= 128), the missed pass runs there over every
     row, and the speculative pass only over the rows that see a speculative key (with
     causal_spec, the last seqlen_spec rows), merged into those rows. Otherwise, where the kernels
     allow (see _one_launch_refusal: k_spec/v_spec strided like k/v, a block size of at least one
@@ -71,13 +74,13 @@ def flash_attn_speculative_sparse(q: Tensor, k_spec: Tensor, v_spec: Tensor, k: 
     missed_call = SparseCall(q, k, v, missed, causal=False, softmax_scale=softmax_scale, num_splits=num_splits,
                         validate=validate, seqused_k=seqused_k, page_table=page_table, backend=backend)
     check_out(out, missed_call.q)
-    # At prefill on FA-4 the speculative pass runs over the rows that see k_spec only (measured
-    # 0.82-0.93x one pass over the union, run 33); elsewhere one launch, on the backend the missed
-    # pass takes (FA-4 reads k_spec through a second pair of TMA descriptors, patch
-    # flash-attn-4/0006; FA-2 through its second source pointers).
+    # At prefill on FA-4 the speculative pass runs over the rows that see k_spec only (faster than
+    # one pass over the union there); elsewhere one launch, on the backend the missed pass takes
+    # (FA-4 reads k_spec through a second pair of TMA descriptors, patch flash-attn-4/0006; FA-2
+    # through its second source pointers).
     one_launch = _one_launch_refusal(q, k_spec, v_spec, k, v, missed, paged=page_table is not None) is None
-    on_fa4 = choose_now(missed_call)[0] == "fa4"
-    if on_fa4 and (missed_call.max_seqlen_q >= FA4_MIN_QUERY_ROWS or not one_launch):
+    on_fa4 = choose(missed_call)[0] == "fa4"
+    if on_fa4 and (missed_call.max_seqlen_q >= FA4_PREFILL_QUERY_ROWS or not one_launch):
         return _into(out, _speculative_over_missed_on_fa4(missed_call, k_spec, v_spec, causal_spec, validate, backend))
     if one_launch:
         # "mask" blocks whatever causal_spec: they name the second source; the flag masks them.
@@ -151,7 +154,7 @@ def flash_attn_speculative_sparse_zero_copy(q: Tensor, k: Tensor, v: Tensor, spe
     K/V (as "mask" blocks, so the diagonal gets the causal mask when causal_spec) and the missed
     set another ("full" blocks). One pass over both lists gives attention over their union.
     Both tables are 1-D int32 block-id tensors shared by every batch, head and query row.
-    backend and out as in flash_attn_with_sparse_block_table: calls that auto sends to FA-4 run
+    backend and out as in flash_attn_with_sparse_block_table: backend="fa4" runs it
     there as the union pass does."""
     batch = q.shape[0] if isinstance(q, Tensor) and q.dim() == 4 else 1
     for name, t in (("spec_block_table", spec_block_table), ("missed_block_table", missed_block_table)):

@@ -1,7 +1,7 @@
-"""The backends a sparse forward can run on, behind one small protocol the router
-(routing.choose) calls. A backend is a module with
+"""The backends a sparse forward can run on, each one module behind one protocol (protocol.py):
 
     refusal(call) -> Optional[str]      why it cannot run this call (shapes only, never syncs), or None
+    traits(call) -> Traits              the facts routing weighs (e.g. its GQA packing)
     num_splits(call) -> int             its split-KV count for the call (the requested one, if any)
     run(call, splits, out=None) -> (out, lse)  the forward, out like q (into `out` if given),
                                         lse (batch, heads, seqlen_q) or (heads, total_q)
@@ -9,25 +9,14 @@
 where `call` is a validated calls.SparseCall. A backend may also have
     launcher(call, splits, out=None) -> launch(q, k, v, blocks, out, **tensors) -> (out, lse)
 the forward over new tensors of the call's facts, bound once (the one-shot cache's hit path;
-`out`: the layout of the outs to come, None for new ones). FA-2 also has run_partial (fp32 partials into a
-caller's buffer, for flash_attn_sparse_partials and the speculative two-pass form). A new
-backend is one module here plus its name in BACKENDS (the router's order of preference is
-routing.choose's).
+`out`: the layout of the outs to come, None for new ones), and run_partial (fp32 partials into a
+caller's buffer). A new backend is one module here plus its line in BACKENDS; routing.choose
+says when auto takes it.
 """
 
-from typing import Optional, Protocol, Tuple
-
-from torch import Tensor
-
 from . import fa2, fa3, fa4
+from .protocol import Backend, Traits
 
+BACKENDS: "dict[str, Backend]" = {"fa2": fa2, "fa3": fa3, "fa4": fa4}
 
-class Backend(Protocol):
-    def refusal(self, call) -> Optional[str]: ...
-
-    def num_splits(self, call) -> int: ...
-
-    def run(self, call, splits: int, out: Optional[Tensor] = None) -> Tuple[Tensor, Tensor]: ...
-
-
-BACKENDS = {"fa2": fa2, "fa3": fa3, "fa4": fa4}
+__all__ = ["BACKENDS", "Backend", "Traits"]

@@ -17,6 +17,7 @@ from torch import Tensor
 from .. import ops
 from ..metadata import cdiv, fail
 from .device import MAX_SPLITS, for_run_with, num_sms
+from .protocol import Traits
 
 KERNEL_ROWS = 64  # query rows per CTA of the split-capable kernel
 DECODE_KERNEL_ROWS = 16  # ... or of its 16-row forms: key-split, or one-warp decode over long lists when
@@ -71,13 +72,14 @@ def split_slots(q: Tensor, decode: bool) -> int:
 
 def pack_gqa(call) -> bool:
     """Whether the query heads of a K/V head share a tile, so each listed K/V block is read once
-    per K/V head: when tiles would otherwise be mostly empty (short queries, decode), and the
-    lists are shared or per K/V head."""
+    per K/V head: when tiles would otherwise be mostly empty (short queries, decode), the lists
+    are shared or per K/V head, and no tile straddles two list rows (one row covers every query,
+    or a row's packed rows fill whole tiles; the C++ host checks the same)."""
     heads, heads_k = call.q.shape[-2], call.k.shape[-2]
     group = heads // heads_k
     q_block = call.blocks.resolved_q_block_size(call.max_seqlen_q)
-    return (group > 1 and call.blocks.num_heads in (1, heads_k) and KERNEL_ROWS % group == 0
-            and q_block % (KERNEL_ROWS // group) == 0 and call.max_seqlen_q < KERNEL_ROWS)
+    return (group > 1 and call.blocks.num_heads in (1, heads_k) and call.max_seqlen_q < KERNEL_ROWS
+            and (q_block >= call.max_seqlen_q or (q_block * group) % KERNEL_ROWS == 0))
 
 
 def split_work(call) -> Tuple[int, int, int]:
@@ -117,6 +119,11 @@ def op_args(call, splits: int) -> dict:
 def refusal(call) -> None:
     """FA-2 runs every validated call (a head dim outside the build is refused by op_args)."""
     return None
+
+
+def traits(call) -> Traits:
+    """packed_group: the GQA group where the query heads of a K/V head share a tile (pack_gqa), else 1."""
+    return Traits(packed_group=call.q.shape[-2] // call.k.shape[-2] if pack_gqa(call) else 1)
 
 
 def num_splits(call) -> int:

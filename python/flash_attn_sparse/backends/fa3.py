@@ -2,13 +2,9 @@
 (patches/flash-attn-3, overlay hopper/flash_api_sparse.cpp; the op flash_attn_3_sparse::fwd in
 this build's flash_attn_3 wheel). fa3_ops holds the op wrapper and the kernel's host rules.
 
-Requested with backend="fa3", or chosen by `auto` (routing.choose) where FA-2 would run a call
-that is prefill-shaped or packs at least 32 query rows per K/V head (decode with GQA), and where
-FA-4 would not pack GQA heads on a prefill-shaped call, causal or lists bounded to 1/16 of the key
-blocks: from the crossovers of runs 108-115, 143 and 146 (docs/performance.md). Outside a CUDA-graph
-capture a call of under 12 us of modelled GPU time goes to fa2 instead (its host path is shorter).
-Beyond fa3_ops.refusal it refuses, with the reason: seqused_k, and a second K/V source for the
-mask lists (the speculative one-launch form), which the op does not take.
+Requested with backend="fa3", or chosen by `auto` for prefill-shaped calls and packed decode
+(routing.py). Beyond fa3_ops.refusal it refuses, with the reason: seqused_k, and a second K/V
+source for the mask lists (the speculative one-launch form), which the op does not take.
 """
 
 from typing import Callable, Optional, Tuple
@@ -18,6 +14,7 @@ from torch import Tensor
 
 from . import fa3_ops
 from .device import for_run_with, graph_launch_option
+from .protocol import Traits
 
 
 def refusal(call) -> Optional[str]:
@@ -31,10 +28,10 @@ def refusal(call) -> Optional[str]:
     return reason or fa3_ops.missing_build()
 
 
-def packed_group(call) -> int:
-    """Query heads whose rows share one of the kernel's tiles: the GQA group where the query heads
-    of a K/V head are packed (shared or per-K/V-head lists), else 1."""
-    return fa3_ops.packed_group(call.q, call.k, call.effective_blocks(), call.max_seqlen_q)
+def traits(call) -> Traits:
+    """packed_group: the GQA group where the host packs a K/V head's query heads into one tile
+    (shared or per-K/V-head lists, any group), else 1."""
+    return Traits(packed_group=fa3_ops.packed_group(call.q, call.k, call.effective_blocks(), call.max_seqlen_q))
 
 
 def num_splits(call) -> int:

@@ -22,7 +22,6 @@ from ..metadata import SparseBlocks
 
 BLOCK_SIZE = 128  # kSparseBlockSize: one K/V block is one kernel tile_n
 TILE_M = 128  # query rows of the tile packing and splitting are decided on (tile_size_fwd_sm90_sparse)
-PACKED_SPLIT_TILE_M = 64  # packed split calls' tile (decode): its rows divide TILE_M's
 HEAD_DIMS = (64, 128)  # the instantiated head dims (generate_kernels_sparse.py)
 
 
@@ -49,11 +48,12 @@ def _on_sm90(q: Tensor) -> bool:
     return q.is_cuda and _capability(q.device.index if q.device.index is not None else torch.cuda.current_device()) == (9, 0)
 
 
-def _packs_query_heads(group: int, list_heads: int, num_heads: int, q_block_size: int) -> bool:
-    """The host's PackGQA choice (pack_gqa=None): the query heads of a K/V head share a tile when
-    the lists are shared or per K/V head and a query block is a whole number of packed rows."""
-    return (group > 1 and (list_heads != num_heads or group == 1) and PACKED_SPLIT_TILE_M % group == 0
-            and q_block_size % (TILE_M // group) == 0)
+def _packs_query_heads(group: int, list_heads: int, num_heads: int, q_block_size: int, seqlen_q: int) -> bool:
+    """The host's PackGQA choice (pack_gqa=None), for any group: the query heads of a K/V head
+    share tiles when they share lists (shared or per K/V head) and no tile straddles two list
+    rows: one list row covers every query, or a list row's packed rows fill whole tiles."""
+    return (group > 1 and list_heads != num_heads
+            and (q_block_size >= seqlen_q or (q_block_size * group) % TILE_M == 0))
 
 
 def packed_group(q: Tensor, k: Tensor, blocks: SparseBlocks, seqlen_q: int) -> int:
@@ -61,7 +61,7 @@ def packed_group(q: Tensor, k: Tensor, blocks: SparseBlocks, seqlen_q: int) -> i
     the kernel packs them, else 1."""
     num_heads, num_heads_k = q.shape[-2], k.shape[-2]
     group = num_heads // max(num_heads_k, 1)
-    packs = _packs_query_heads(group, blocks.num_heads, num_heads, blocks.resolved_q_block_size(seqlen_q))
+    packs = _packs_query_heads(group, blocks.num_heads, num_heads, blocks.resolved_q_block_size(seqlen_q), seqlen_q)
     return group if packs else 1
 
 
@@ -92,10 +92,10 @@ def refusal(q: Tensor, k: Tensor, blocks: SparseBlocks, *, varlen: bool, paged: 
         return f"the lists' head extent must be 1, {num_heads_k} or {num_heads}, got {blocks.num_heads}"
     seqlen_q = max_seqlen_q if max_seqlen_q is not None else (q.shape[0] if varlen else q.shape[1])
     q_block_size = blocks.resolved_q_block_size(seqlen_q)
-    group = num_heads // num_heads_k
-    rows = TILE_M // group if _packs_query_heads(group, blocks.num_heads, num_heads, q_block_size) else TILE_M
-    if q_block_size <= 0 or q_block_size % rows:
-        return f"q_block_size {q_block_size} must be a multiple of {rows} (the query rows of a tile) here"
+    packs = _packs_query_heads(num_heads // num_heads_k, blocks.num_heads, num_heads, q_block_size, seqlen_q)
+    if q_block_size <= 0 or not (packs or q_block_size >= seqlen_q or q_block_size % TILE_M == 0):
+        return (f"q_block_size {q_block_size} must be a multiple of {TILE_M} (the query rows of a tile) "
+                "or cover every query row here")
     return None
 
 

@@ -28,6 +28,7 @@ from torch import Tensor
 from ..metadata import SparseBlocks, cdiv
 from .cute import block_sparse_tensors, import_cute, missing_runtime
 from .device import MAX_SPLITS, num_sms
+from .protocol import Traits
 
 BLOCK_SIZES = (64, 128)
 VARLEN_Q_BLOCK_SIZES = (64, 128)
@@ -61,11 +62,6 @@ def _packed(q: Tensor, k: Tensor, blocks: SparseBlocks) -> Tuple[int, int]:
     if heads > heads_k and blocks.num_heads in (1, heads_k):
         return heads_k, heads // heads_k
     return heads, 1
-
-
-def packs_query_heads(q: Tensor, k: Tensor, blocks: SparseBlocks) -> bool:
-    """Whether the query heads of a K/V head share a tile (GQA with shared or per-K/V-head lists)."""
-    return _packed(q, k, blocks)[1] > 1
 
 
 def tiles(q: Tensor, k: Tensor, blocks: SparseBlocks, *, batch: int, max_seqlen_q: int) -> int:
@@ -211,12 +207,19 @@ def wider_than_the_keys(call) -> Optional[str]:
 
 def refusal(call) -> Optional[str]:
     """Why this backend cannot run `call` (a calls.SparseCall), or None. Shapes only: never syncs."""
+    if torch.compiler.is_compiling():
+        return "flash-attn-4's CuTe-DSL call cannot be traced by torch.compile; use 'fa2', 'fa3' or 'auto' there"
     if call.varlen and call.requested_splits > 1:
         return SPLIT_KV_UNSUPPORTED
     if not call.varlen and call.seqused_k is not None:
         return SEQUSED_K_UNSUPPORTED
     return unsupported_reason(call.q, call.blocks, max_seqlen_q=call.max_seqlen_q, varlen=call.varlen,
                               paged=call.page_table is not None) or wider_than_the_keys(call)
+
+
+def traits(call) -> Traits:
+    """packed_group: the GQA group where the lists are shared or per K/V head, else 1."""
+    return Traits(packed_group=_packed(call.q, call.k, call.blocks)[1])
 
 
 def num_splits(call) -> int:
@@ -227,20 +230,6 @@ def num_splits(call) -> int:
     if call.requested_splits:
         return call.requested_splits
     return choose_num_splits(max_splits=MAX_SPLITS, **_call_work(call))
-
-
-def modelled_time_us(call, splits: int) -> float:
-    """split_time_us of `call` over `splits` splits, its lists taken at their capacity (the counts
-    are not known without a sync), so a bound for shorter lists; a causal call's at the mean over
-    its query tiles of the capacity or the blocks at or before the tile's diagonal, the fewer."""
-    work = _call_work(call)
-    if call.causal and not call.varlen:
-        block, rows = call.blocks.block_size, call.blocks.resolved_q_block_size(call.max_seqlen_q)
-        offset = call.max_seqlen_k - call.max_seqlen_q  # bottom-right aligned
-        horizons = [min(work["list_blocks"], max(1, cdiv(min(call.max_seqlen_q, (m + 1) * rows) + offset, block)))
-                    for m in range(cdiv(call.max_seqlen_q, rows))]
-        work["list_blocks"] = max(1, round(sum(horizons) / len(horizons)))
-    return split_time_us(splits, **work)
 
 
 def _call_work(call) -> dict:

@@ -171,17 +171,22 @@ SparseLaunch prepare_sparse(
     TORCH_CHECK((varlen ? full_idx.size(0) : full_idx.size(1)) == table_heads, "full_idx must have the head extent of full_cnt");
 
     // Tile: the host copy of the launch template's choice. Packing is decided on the 128-row tile;
-    // a packed split call then runs 64-row tiles (below), whose query rows divide these.
-    int const kBlockM = std::get<0>(flash::tile_size_fwd_sm90_sparse(head_size, false, false));
-    int const kBlockMPackedSplit = std::get<0>(flash::tile_size_fwd_sm90_sparse(head_size, true, true));
+    // a packed split call then runs 64-row tiles (below), which split the 128-row ones.
+    // Under PackGQA, packed row r of a sequence is query r / group of head r % group (upstream's
+    // layout, any group). A tile must not straddle two list rows, since it reads one list: so
+    // either one list row covers every query, or a list row's packed rows fill whole tiles.
+    constexpr int kBlockM = std::get<0>(flash::tile_size_fwd_sm90_sparse(128, false, false));
+    constexpr int kBlockMPackedSplit = std::get<0>(flash::tile_size_fwd_sm90_sparse(128, true, true));
+    static_assert(kBlockM % kBlockMPackedSplit == 0, "list rows that fill 128-row tiles must fill packed split tiles");
     int const group = num_heads / num_heads_k;
+    bool const one_list_row = q_block_size >= seqlen_q;
     bool const can_pack = table_heads != num_heads || group == 1;
-    bool const pack_fits = kBlockMPackedSplit % group == 0 && q_block_size % (kBlockM / group) == 0;
-    bool const pack = group > 1 && can_pack && pack_fits && pack_gqa.value_or(true);
-    TORCH_CHECK(!(pack_gqa.value_or(false) && group > 1 && !pack), "pack_gqa needs shared or per-K/V-head lists, a GQA group dividing ", kBlockMPackedSplit,
-                " and q_block_size a multiple of ", kBlockM, " / group");
-    int const q_rows_per_tile = kBlockM / (pack ? group : 1);
-    TORCH_CHECK(q_block_size > 0 && q_block_size % q_rows_per_tile == 0, "q_block_size must be a positive multiple of ", q_rows_per_tile, " here");
+    bool const packed_rows_fill_tiles = one_list_row || (q_block_size * group) % kBlockM == 0;
+    bool const pack = group > 1 && can_pack && packed_rows_fill_tiles && pack_gqa.value_or(true);
+    TORCH_CHECK(!(pack_gqa.value_or(false) && group > 1 && !pack),
+                "pack_gqa needs shared or per-K/V-head lists, and one list row for all queries or q_block_size * group a multiple of ", kBlockM);
+    TORCH_CHECK(q_block_size > 0 && (one_list_row || pack || q_block_size % kBlockM == 0),
+                "q_block_size must be a positive multiple of ", kBlockM, " here (or cover every query row)");
     if (!varlen) {
         TORCH_CHECK(full_cnt.size(0) == batch_size, "full_cnt: batch extent must be ", batch_size);
         TORCH_CHECK(full_idx.sizes().slice(0, 3) == full_cnt.sizes(), "full_idx: leading dims must be full_cnt's");
@@ -256,7 +261,8 @@ SparseLaunch prepare_sparse(
         }
     }
     params.num_splits = splits;
-    sp.tiles_per_row = q_block_size / (tile_m / (pack ? group : 1));
+    // One list row for every query: every tile reads row 0 (m_block / kOneListRow).
+    sp.tiles_per_row = one_list_row ? kOneListRow : int(int64_t(q_block_size) * (pack ? group : 1) / tile_m);
 #ifdef FLASHATTENTION_DISABLE_SPLIT
     TORCH_CHECK(params.num_splits == 1, "This flash attention build does not support splits.");
 #endif

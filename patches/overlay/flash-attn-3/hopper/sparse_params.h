@@ -25,12 +25,15 @@ struct SparseBlockParams {
     // Table head of a kernel tile: bidh / head_ratio, where bidh is the query head, or the K/V
     // head under PackGQA.
     int head_ratio = 1;
-    // Kernel query tiles per list row (q_block_size / query rows of one kernel tile).
+    // Kernel query tiles per list row (packed rows of a list row / rows of one kernel tile), or
+    // kOneListRow when one list row covers every query.
     int tiles_per_row = 1;
 };
 
 // Keys per list block; the kernels' kBlockN equals it.
 constexpr int kSparseBlockSize = 128;
+// tiles_per_row when every tile of a sequence reads its one list row.
+constexpr int kOneListRow = 1 << 30;
 
 namespace flash {
 

@@ -323,13 +323,14 @@ static SparseLaunch prepare_sparse(
     params.sparse_block_size = block_size;
     params.sparse_block_size_log2 = __builtin_ctz(block_size);
     params.sparse_q_block_size = q_block_size;
-    // Packing puts h / h_k query heads in a tile; they must share their lists, and a tile's
-    // query positions must stay within one table row.
+    // Packing puts h / h_k query heads in a tile (packed row r: query r / group, head r % group,
+    // any group); they must share their lists, and a tile reads one list row, so either one row
+    // covers every query or a row's packed rows fill whole 64-row tiles (and so 16-row ones).
     const int group = pack_gqa ? num_heads / num_heads_k : 1;
     TORCH_CHECK(!pack_gqa || num_table_heads != num_heads || num_heads == num_heads_k,
                 "pack_gqa needs lists shared by all heads or per K/V head");
-    TORCH_CHECK(kSparseNarrowBlockM % group == 0 && q_block_size % (kSparseNarrowBlockM / group) == 0,
-                "pack_gqa needs h / h_k to divide 64 and the query tile to hold whole packed tiles");
+    TORCH_CHECK(q_block_size >= seqlen_q || (int64_t(q_block_size) * group) % kSparseNarrowBlockM == 0,
+                "pack_gqa needs one list row for all queries or q_block_size * (h / h_k) a multiple of ", kSparseNarrowBlockM);
     params.sparse_pack_gqa = group;
 
     TORCH_CHECK(num_splits >= 1 && num_splits <= 128, "num_splits must be in [1, 128]");

@@ -1,0 +1,210 @@
+"""GQA sweep at decode: every group size against dense FA-3 over exactly the listed keys.
+
+For each batch, query length, GQA group (query heads per K/V head; 8 K/V heads), key length and
+density, per-K/V-head lists (the last block and a random choice of the rest, 4 rotating sets),
+it times `auto`, backend="fa3" and backend="fa2" through the public call, and dense FA-3
+(flash_attn_3's flash_attn_func, PackGQA on, its own split heuristic) over K/V gathered to the
+listed keys: CUDA-graph replay with L2 flushed before every replay (median of the replays), and
+eager back-to-back calls for `auto` and dense FA-3. Every point runs its methods in two passes
+one after the other; a ratio's passes show the spread.
+
+    python benchmarks/bench_gqa.py [--batches 1,4,8] [--seqlens-q 1,4,8,16] [--groups 1,...,16]
+        [--seqlens-k 32768,131072] [--densities 0.125,0.0625] [--out DIR]
+
+writes gqa.json (every timing) and gqa.md (the summary per group, then every point) into --out.
+"""
+
+import argparse
+import json
+import random
+import statistics
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import flash_attn_sparse as fas  # noqa: E402
+from bench_sparse import ROTATIONS, Shape, listed_kv, make_lists, source_commit, to_blocks  # noqa: E402
+
+HEADS_K, HEAD_DIM = 8, 128
+REPLAYS = 40  # graph replays per method and pass, L2 flushed before each
+EAGER_CALLS = 40
+L2_FLUSH_BYTES = 256 << 20  # several times the 50 MB L2 of an H100 or H200
+PASSES = 2
+
+
+@dataclass
+class Point:
+    batch: int
+    seqlen_q: int
+    group: int
+    seqlen_k: int
+    density: float
+    auto_backend: str = ""
+    graph_us: dict = field(default_factory=dict)  # method -> [us per pass]
+    eager_us: dict = field(default_factory=dict)
+
+    @property
+    def name(self) -> str:
+        return f"B{self.batch} Sq{self.seqlen_q} H{HEADS_K * self.group}/{HEADS_K} Sk{self.seqlen_k // 1024}k {self.density:g}"
+
+
+def graph_replay_us(calls, flush) -> float:
+    """Median us of one replay: each call (a rotation) captured into its own graph, the graphs
+    replayed in turn, L2 flushed before each replay and outside the timed span."""
+    for call in calls:  # warm-up: the one-shot caches, FA-3's planned forwards, allocations
+        call()
+    torch.cuda.synchronize()
+    graphs = []
+    for call in calls:
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            call()
+        graphs.append(graph)
+    events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(REPLAYS)]
+    for i, (start, end) in enumerate(events):
+        flush()
+        start.record()
+        graphs[i % len(graphs)].replay()
+        end.record()
+    torch.cuda.synchronize()
+    return statistics.median(start.elapsed_time(end) for start, end in events) * 1e3
+
+
+def eager_us(calls) -> float:
+    """us per call of EAGER_CALLS back-to-back eager calls (rotating), synchronized before and after."""
+    for call in calls:
+        call()
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for i in range(EAGER_CALLS):
+        calls[i % len(calls)]()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - start) * 1e6 / EAGER_CALLS
+
+
+def dense_fa3():
+    from flash_attn_interface import flash_attn_func
+
+    def forward(q, k, v):
+        out = flash_attn_func(q, k, v, causal=False, num_splits=0, pack_gqa=True)
+        return out[0] if isinstance(out, tuple) else out
+    return forward
+
+
+def run_sweep(args) -> list:
+    flush_buffer = torch.empty(L2_FLUSH_BYTES, dtype=torch.uint8, device="cuda")
+    dense = dense_fa3()
+    points = []
+    for batch in args.batches:
+        for seqlen_k in args.seqlens_k:
+            g = torch.Generator(device="cuda").manual_seed(batch * 7 + seqlen_k)
+            k = torch.randn(batch, seqlen_k, HEADS_K, HEAD_DIM, device="cuda", generator=g).bfloat16()
+            v = torch.randn_like(k)
+            for density in args.densities:
+                shape = Shape("gqa", batch, 1, seqlen_k, HEADS_K, HEADS_K, density)
+                rng = random.Random(f"{batch}-{seqlen_k}-{density}")
+                list_sets = [make_lists(shape, rng) for _ in range(ROTATIONS)]
+                blocks = [to_blocks(lists, shape) for lists in list_sets]
+                listed = [listed_kv(k, v, lists) for lists in list_sets]
+                for seqlen_q in args.seqlens_q:
+                    for group in args.groups:
+                        q = torch.randn(batch, seqlen_q, HEADS_K * group, HEAD_DIM, device="cuda", generator=g).bfloat16()
+                        point = measure_point(Point(batch, seqlen_q, group, seqlen_k, density), q, k, v, blocks, listed,
+                                              dense, flush_buffer.zero_)
+                        print(summary_line(point), flush=True)
+                        points.append(point)
+    return points
+
+
+def measure_point(point: Point, q, k, v, blocks, listed, dense, flush) -> Point:
+    """Every method at one point, PASSES times in turn."""
+    point.auto_backend = fas.choose_backend(q, k, v, blocks[0])[0]
+    methods = {name: [lambda b=b, name=name: fas.flash_attn_with_sparse_block_table(q, k, v, b, backend=name)
+                      for b in blocks] for name in ("auto", "fa3", "fa2")}
+    methods["dense_fa3_listed"] = [lambda kl=kl, vl=vl: dense(q, kl, vl) for kl, vl in listed]
+    for _ in range(PASSES):
+        for name, calls in methods.items():
+            try:
+                point.graph_us.setdefault(name, []).append(graph_replay_us(calls, flush))
+                if name in ("auto", "dense_fa3_listed"):
+                    point.eager_us.setdefault(name, []).append(eager_us(calls))
+            except Exception as error:  # a method that cannot run a point is reported, not fatal
+                point.graph_us[name] = f"{type(error).__name__}: {str(error)[:160]}"
+    return point
+
+
+def ratio(point: Point, method: str, peer: str = "dense_fa3_listed", eager: bool = False):
+    """(median over passes, [per pass]) of method's time over peer's, or None where either failed."""
+    times = point.eager_us if eager else point.graph_us
+    ours, theirs = times.get(method), times.get(peer)
+    if not isinstance(ours, list) or not isinstance(theirs, list):
+        return None
+    per_pass = [a / b for a, b in zip(ours, theirs)]
+    return statistics.median(per_pass), per_pass
+
+
+def summary_line(point: Point) -> str:
+    parts = [f"{point.name:<28} auto={point.auto_backend}"]
+    for method in ("auto", "fa3", "fa2"):
+        r = ratio(point, method)
+        parts.append(f"{method} {r[0]:.3f} ({'/'.join(f'{x:.3f}' for x in r[1])})" if r else f"{method} -")
+    r = ratio(point, "auto", eager=True)
+    parts.append(f"eager auto {r[0]:.3f}" if r else "eager auto -")
+    dense = point.graph_us.get("dense_fa3_listed")
+    parts.append(f"dense {statistics.median(dense):.1f} us" if isinstance(dense, list) else "dense -")
+    return "  ".join(parts)
+
+
+def markdown(points, gpu: str, commit: str) -> str:
+    lines = [f"# GQA sweep, {gpu}, {time.strftime('%Y-%m-%d')}, commit {commit}", "",
+             "Time over dense FA-3 over exactly the listed keys (PackGQA on), graph replay with L2 flushed "
+             "before each replay, median of two passes (each pass's ratio in the JSON); eager: back-to-back calls.", "",
+             "| group | points | auto worst (graph) | fa3 worst | fa2 worst | eager auto worst | worst auto point |",
+             "|---|---|---|---|---|---|---|"]
+    for group in sorted({p.group for p in points}):
+        of_group = [p for p in points if p.group == group]
+        worst = {}
+        for key, method, eager in (("auto", "auto", False), ("fa3", "fa3", False), ("fa2", "fa2", False),
+                                   ("eager", "auto", True)):
+            values = [(r[0], p.name) for p in of_group if (r := ratio(p, method, eager=eager))]
+            worst[key] = max(values) if values else (float("nan"), "-")
+        lines.append(f"| {group} | {len(of_group)} | {worst['auto'][0]:.3f} | {worst['fa3'][0]:.3f} | {worst['fa2'][0]:.3f} | "
+                     f"{worst['eager'][0]:.3f} | {worst['auto'][1]} |")
+    lines += ["", "| point | auto runs | auto | fa3 | fa2 | eager auto | dense FA-3 us |", "|---|---|---|---|---|---|---|"]
+    for p in points:
+        cells = [f"{r[0]:.3f}" if (r := ratio(p, m)) else "-" for m in ("auto", "fa3", "fa2")]
+        eager = ratio(p, "auto", eager=True)
+        dense = p.graph_us.get("dense_fa3_listed")
+        lines.append(f"| {p.name} | {p.auto_backend} | {' | '.join(cells)} | {f'{eager[0]:.3f}' if eager else '-'} | "
+                     f"{f'{statistics.median(dense):.1f}' if isinstance(dense, list) else '-'} |")
+    return "\n".join(lines) + "\n"
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ints = lambda text: [int(x) for x in text.split(",")]  # noqa: E731
+    parser.add_argument("--batches", type=ints, default=[1, 4, 8])
+    parser.add_argument("--seqlens-q", type=ints, default=[1, 4, 8, 16])
+    parser.add_argument("--groups", type=ints, default=[1, 2, 3, 4, 5, 6, 7, 8, 16])
+    parser.add_argument("--seqlens-k", type=ints, default=[32768, 131072])
+    parser.add_argument("--densities", type=lambda text: [float(x) for x in text.split(",")], default=[1 / 8, 1 / 16])
+    parser.add_argument("--out", type=Path, default=Path("."))
+    args = parser.parse_args()
+    gpu = torch.cuda.get_device_name()
+    print(f"GPU: {gpu}  torch {torch.__version__}", flush=True)
+    points = run_sweep(args)
+    args.out.mkdir(parents=True, exist_ok=True)
+    commit = source_commit()
+    (args.out / "gqa.json").write_text(json.dumps({"gpu": gpu, "date": time.strftime("%Y-%m-%d"), "commit": commit,
+                                                   "points": [dict(asdict(p), name=p.name) for p in points]}, indent=1))
+    table = markdown(points, gpu, commit)
+    (args.out / "gqa.md").write_text(table)
+    print(table.split("\n\n| point")[0])
+
+
+if __name__ == "__main__":
+    main()
