@@ -3,6 +3,8 @@
 Sessions run in the invoking environment (no virtualenvs are made), which must have torch
 installed: fetching the flash-attn sdist runs its setup.py, and the project's tests import torch.
 `nox -l` lists the sessions; pass arguments after `--`, e.g. `nox -s apply -- --force`.
+A failing session stops the ones after it (`nox -s build test` runs no tests after a failed
+build), and nox's last line says what failed.
 """
 
 import sys
@@ -12,21 +14,29 @@ import nox
 
 sys.path.insert(0, str(Path(__file__).parent / "python"))
 
-from forktools.__main__ import main  # noqa: E402
+from forktools import ToolError  # noqa: E402
+from forktools.__main__ import run  # noqa: E402
 
 nox.options.default_venv_backend = "none"
 nox.options.sessions = ["test"]
+nox.options.stop_on_first_error = True
 
 
 def _forktools(session: nox.Session, command: str, *options: str) -> None:
-    code = main([command, *options, *session.posargs])
+    try:
+        code = run([command, *options, *session.posargs])
+    except ToolError as err:
+        message = str(err).strip()
+        if "\n" in message:  # the whole of it first; nox's last line gets its first line
+            print(f"error: {message}", file=sys.stderr)
+        session.error(f"{command} stopped: {message.splitlines()[0]}")
     if code:
         session.error(f"forktools {command} failed (exit {code})")
 
 
 @nox.session
 def upstream(session: nox.Session) -> None:
-    """Fetch and verify the pinned upstreams ([--offline] [--tree NAME=PATH] [--mirror DIR])."""
+    """Fetch and verify the pinned upstreams ([--offline] [--tree NAME=PATH] [--mirror DIR]; $FORKTOOLS_GITHUB_URL)."""
     _forktools(session, "upstream")
 
 
@@ -50,7 +60,7 @@ def check_patches(session: nox.Session) -> None:
 
 @nox.session
 def build(session: nox.Session) -> None:
-    """Build and install flash_attn, flash_attn_3, flash_attn_4 (FLASH_ATTN_SPARSE_PROFILE / _ARCH / _JOBS; -- --reuse --no-fa3)."""
+    """Fetch, verify, patch, build, then install flash_attn, flash_attn_3, flash_attn_4 (FLASH_ATTN_SPARSE_PROFILE / _ARCH / _JOBS)."""
     _forktools(session, "build", "--install")
 
 

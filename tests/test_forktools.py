@@ -439,6 +439,15 @@ def tree_files(tree: Path) -> dict[str, tuple[bytes, bool]]:
     return files
 
 
+def test_a_composed_release_is_named_by_its_tree_id_in_the_series_header(tmp_path: Path):
+    """FA-3 has no sdist: its header line names the git tree id that checks its main part."""
+    pins = [upstream.Pin("flash-attn", "1.0", "f.tar.gz", "a" * 64), upstream.Pin("fa3", "2.0", composed=True, tree="b" * 40)]
+    path = tmp_path / "series"
+    path.write_bytes(series.render_series(pins, []))
+    assert path.read_text().splitlines()[1:] == [f"# base flash-attn 1.0 sha256:{'a' * 64}", f"# base fa3 2.0 tree:{'b' * 40}"]
+    assert series.read_series(path).bases == [("flash-attn", "1.0", f"sha256:{'a' * 64}"), ("fa3", "2.0", f"tree:{'b' * 40}")]
+
+
 def test_check_fails_when_the_series_base_disagrees_with_the_lock(exported: Layout):
     exported.series.write_text(exported.series.read_text().replace("# base demo 2.0", "# base demo 1.9"))
     with pytest.raises(ToolError, match="the series is made against .*demo 1.9"):
@@ -620,6 +629,7 @@ def test_build_options_come_from_the_environment_so_posargs_stay_pytest_s(monkey
     from forktools import build
     calls = []
     monkeypatch.setattr(build, "build", lambda layout, **options: calls.append(options))
+    monkeypatch.setattr(upstream, "fetch", lambda layout: None)
     monkeypatch.setenv("FLASH_ATTN_SPARSE_ARCH", "80,90")
     monkeypatch.setenv("FLASH_ATTN_SPARSE_PROFILE", "full")
     monkeypatch.setenv("FLASH_ATTN_SPARSE_JOBS", "3")
@@ -635,6 +645,7 @@ def test_fa3_only_builds_its_mutations_and_refuses_flash_attn_ones(monkeypatch, 
     from forktools import build_fa3
     calls = []
     monkeypatch.setattr(build_fa3, "build", lambda layout, **options: calls.append(options))
+    monkeypatch.setattr(upstream, "fetch", lambda layout: None)
     fa3_diff, fa2_diff = REPO / "tests/mutations/fa3-v-steps-densely.patch", REPO / "tests/mutations/v-steps-densely.patch"
     assert main(["build", "--fa3-only", "--mutation", str(fa3_diff)], root=tmp_path) == 0
     assert calls[-1]["mutations"] == [fa3_diff]
@@ -648,7 +659,7 @@ def test_a_build_option_given_to_the_test_command_is_refused_with_its_spelling(c
 
 
 def test_unit_times_are_the_units_this_build_compiled_slowest_first(tmp_path):
-    from forktools import build
+    from forktools import wheelbuild as build
     log = tmp_path / "build" / "temp" / ".ninja_log"
     log.parent.mkdir(parents=True)
     log.write_text("# ninja log v5\n0\t90000\t1\t/x/old_unit.o\th\n")  # an earlier build's line
@@ -665,10 +676,10 @@ def test_unit_times_are_the_units_this_build_compiled_slowest_first(tmp_path):
 
 def test_the_build_log_times_each_line_and_the_console_gets_ninjas_progress(tmp_path, capsys):
     """The log says when each line came (where a build's time outside its units goes)."""
-    from forktools import build
+    from forktools import wheelbuild
     script = "print('setup'); print('[1/2] nvcc -c unit_a.cu'); print('error: unit_b.cu failed')"
     log = tmp_path / "build.log"
-    assert build._run_with_progress([sys.executable, "-c", script], tmp_path, dict(os.environ), log, prefix="fa3 ") == 0
+    assert wheelbuild.run_with_progress([sys.executable, "-c", script], tmp_path, dict(os.environ), log, prefix="fa3 ") == 0
     lines = log.read_text().splitlines()
     assert [line.split("] ", 1)[1] for line in lines] == ["setup", "[1/2] nvcc -c unit_a.cu", "error: unit_b.cu failed"]
     assert all(float(line[1:line.index("]")]) >= 0 for line in lines)

@@ -1,6 +1,7 @@
-"""forktools' FA-3 parts: the GitHub tree pins are checked by content (git tree id, sha256) and a
-mismatch is refused; the dev profile's kernel list is what the patched setup.py compiles."""
+"""forktools' FA-3 parts: the GitHub tree pins are checked by content (git tree id) and a mismatch
+is refused; the dev profile's kernel list is what the patched setup.py compiles."""
 
+import dataclasses
 import gzip
 import io
 import re
@@ -12,11 +13,11 @@ from pathlib import Path
 
 import pytest
 
-from forktools import ToolError, build_fa3, series, sources
+from forktools import ToolError, build_fa3, github, series, treeid
 from forktools.layout import Layout
 
 ROOT = Path(__file__).resolve().parents[1]
-MIRROR = sources.mirror_dir(None) or ROOT.parent / "shared" / "upstream"
+MIRROR = github.mirror_dir(None) or ROOT.parent / "shared" / "upstream"  # CI's offline mirror
 
 
 def _tar(members: dict[str, tuple[bytes, int]]) -> bytes:
@@ -42,30 +43,30 @@ def test_archive_tree_id_is_gits(tmp_path):
     subprocess.run([*git, "init", "-q"], check=True)
     subprocess.run([*git, "add", "-A"], check=True)
     expected = subprocess.run([*git, "write-tree"], check=True, capture_output=True, text=True).stdout.strip()
-    assert sources.archive_tree_id(archive, "top") == expected
+    assert treeid.tar_folder_id(archive, "top") == expected
 
 
-def _layout_with_mirror_pin(tmp_path, archive: str, sha256: str, tree: str) -> Layout:
+def _layout_with_pin(tmp_path, pin: github.GithubTree) -> Layout:
     layout = Layout.at(tmp_path)
     layout.lock.parent.mkdir(parents=True)
-    layout.lock.write_text(
-        f'[[github]]\nname = "t"\nrepository = "https://github.com/o/r"\ntag = "v1"\ncommit = "{"0" * 40}"\n'
-        f'path = "hopper"\ntree = "{tree}"\narchive = "{archive}"\nsha256 = "{sha256}"\n')
+    layout.lock.write_text("[[github]]\n" + "".join(f'{key} = "{value}"\n' for key, value in vars(pin).items()))
     return layout
 
 
 @pytest.mark.skipif(not (MIRROR / "flash-attention-v2.8.3-hopper.tar.gz").exists(), reason="no upstream mirror")
-def test_mirror_archive_verified_and_mismatches_refused(tmp_path):
-    pins, _ = sources.load(ROOT / "upstream" / "lock.toml")
-    hopper = next(pin for pin in pins if pin.path == "hopper")
-    sources.fetch(_layout_with_mirror_pin(tmp_path / "ok", hopper.archive, hopper.sha256, hopper.tree), mirror=MIRROR)
-    with pytest.raises(ToolError, match="sha256 mismatch"):
-        sources.fetch(_layout_with_mirror_pin(tmp_path / "hash", hopper.archive, "0" * 64, hopper.tree), mirror=MIRROR)
-    with pytest.raises(ToolError, match="not the pinned"):
-        sources.fetch(_layout_with_mirror_pin(tmp_path / "tree", hopper.archive, hopper.sha256, "1" * 40), mirror=MIRROR)
-    with pytest.raises(ToolError, match="neither"):
-        sources.fetch(_layout_with_mirror_pin(tmp_path / "none", "absent.tar.gz", hopper.sha256, hopper.tree),
-                      mirror=tmp_path)
+def test_mirror_archive_verified_by_tree_id_and_mismatches_refused(tmp_path):
+    hopper = github.named(github.load(ROOT / "upstream" / "lock.toml"), "flash-attention-hopper")
+    layout = _layout_with_pin(tmp_path / "ok", hopper)
+    github.fetch(layout, [hopper], offline=True, mirror=MIRROR)
+    assert (layout.cache / hopper.archive).exists()
+    wrong = dataclasses.replace(hopper, tree="1" * 40)
+    with pytest.raises(ToolError, match=f"refusing hopper/ from {MIRROR / hopper.archive}: its git tree id is "
+                                        f"{hopper.tree}, but upstream/lock.toml pins {'1' * 40}"):
+        github.fetch(_layout_with_pin(tmp_path / "tree", wrong), [wrong], offline=True, mirror=MIRROR)
+    assert not (tmp_path / "tree" / ".cache" / "upstream" / hopper.archive).exists()
+    absent = dataclasses.replace(hopper, archive="absent.tar.gz")
+    with pytest.raises(ToolError, match="absent.tar.gz missing from .* and --offline was given"):
+        github.fetch(_layout_with_pin(tmp_path / "none", absent), [absent], offline=True, mirror=tmp_path)
 
 
 @pytest.fixture(scope="module")

@@ -1,20 +1,24 @@
-"""The package's import graph (every import statement, module level or inside a function) has no
-cycle, and no module of python/flash_attn_sparse/ grows past ~400 lines (issue 25)."""
+"""The import graphs of python/flash_attn_sparse and python/forktools (every import statement,
+module level or inside a function) have no cycle, and no module of python/flash_attn_sparse/
+grows past ~400 lines (issue 25)."""
 
 import ast
 from pathlib import Path
 
+import pytest
+
 PACKAGE = Path(__file__).parents[1] / "python/flash_attn_sparse"
+TOOLING = Path(__file__).parents[1] / "python/forktools"
 
 
-def _module_name(path: Path) -> str:
-    parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+def _module_name(path: Path, package: Path = PACKAGE) -> str:
+    parts = path.relative_to(package.parent).with_suffix("").parts
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
-def _imports(path: Path, modules: set) -> set:
+def _imports(path: Path, modules: set, package_dir: Path = PACKAGE) -> set:
     """The package modules `path` imports: `from .x import y` counts x.y if that is a module, else x."""
-    name = _module_name(path)
+    name = _module_name(path, package_dir)
     package = name if path.name == "__init__.py" else name.rpartition(".")[0]
     found = set()
     for node in ast.walk(ast.parse(path.read_text())):
@@ -34,10 +38,10 @@ def _imports(path: Path, modules: set) -> set:
     return found
 
 
-def _graph() -> dict:
-    paths = sorted(PACKAGE.rglob("*.py"))
-    modules = {_module_name(p) for p in paths}
-    return {_module_name(p): _imports(p, modules) for p in paths}
+def _graph(package: Path = PACKAGE) -> dict:
+    paths = sorted(package.rglob("*.py"))
+    modules = {_module_name(p, package) for p in paths}
+    return {_module_name(p, package): _imports(p, modules, package) for p in paths}
 
 
 def _cycle(graph: dict):
@@ -68,8 +72,16 @@ def test_graph_sees_the_backends():
     assert "flash_attn_sparse.backends.cute" in graph["flash_attn_sparse.backends.fa4"]
 
 
-def test_no_import_cycle():
-    assert _cycle(_graph()) is None, " -> ".join(_cycle(_graph()))
+def test_graph_sees_the_tooling_s_function_level_imports():
+    graph = _graph(TOOLING)
+    assert {"forktools.build_fa3", "forktools.wheelbuild", "forktools.toolchain"} <= graph["forktools.build"]
+    assert "forktools.github" in graph["forktools.sources"]
+
+
+@pytest.mark.parametrize("package", [PACKAGE, TOOLING], ids=lambda p: p.name)
+def test_no_import_cycle(package):
+    graph = _graph(package)
+    assert _cycle(graph) is None, " -> ".join(_cycle(graph))
 
 
 def test_cycle_finder_finds_a_cycle():

@@ -1,14 +1,15 @@
 """The selection of upstream flash-attn tests that the GPU gate runs (tests/upstream): it names
 parameters upstream's tests have, keeps forward-only cases at the compiled head dims only, and
-the archive it unpacks is the one upstream/lock.toml pins."""
+the archive it unpacks holds the tree upstream/lock.toml pins (by git tree id)."""
 
 import ast
-import hashlib
 import itertools
 import tarfile
+from pathlib import Path
 
 import pytest
 
+from forktools import github
 from upstream import fa2_forward_selection as selection
 from upstream import run_upstream
 
@@ -38,8 +39,8 @@ needs_archive = pytest.mark.skipif(not any((folder / run_upstream.ARCHIVE).exist
 
 @needs_archive
 def test_the_archive_is_the_pinned_one():
-    data = run_upstream.find_archive().read_bytes()
-    assert hashlib.sha256(data).hexdigest() == run_upstream.expected_sha256(run_upstream.ARCHIVE)
+    pins = github.load(Path(run_upstream.LOCK))
+    github.check(run_upstream.find_archive(), next(pin for pin in pins if pin.archive == run_upstream.ARCHIVE))
 
 
 @needs_archive

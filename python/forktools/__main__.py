@@ -8,9 +8,9 @@ import sys
 from pathlib import Path
 
 from forktools import ToolError, build, build_fa3, gpu, series, stages, upstream, variant, wheel_fa4
-from forktools.layout import Layout
+from forktools.layout import Layout, checkout_root
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
+REPO_ROOT = checkout_root()
 
 
 def _upstream(layout: Layout, args: argparse.Namespace) -> int:
@@ -47,6 +47,7 @@ def _variant(layout: Layout, args: argparse.Namespace) -> int:
 
 
 def _build(layout: Layout, args: argparse.Namespace) -> int:
+    upstream.fetch(layout)  # whatever the cache lacks, so that one command sets everything up
     if args.fa4_only:
         wheel_fa4.build(layout)
         return 0
@@ -90,12 +91,14 @@ def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m forktools", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
-    command = commands.add_parser("upstream", help="fetch and verify the pinned upstream sdists")
+    command = commands.add_parser("upstream", help="fetch and verify the pinned upstream sdists, trees and wheels "
+                                                   "(GitHub trees from $FORKTOOLS_GITHUB_URL, default https://github.com)")
     command.add_argument("--offline", action="store_true", help="never download; only verify the cache")
     command.add_argument("--tree", dest="trees", action="append", default=[], type=_name_and_path,
                          metavar="NAME=PATH", help="use this source tree of the pinned release instead")
     command.add_argument("--mirror", type=Path, metavar="DIR",
-                         help="folder holding the pinned GitHub archives (default $FORKTOOLS_UPSTREAM_MIRROR)")
+                         help="offline mirror folder holding the pinned GitHub tree archives "
+                              "(default $FORKTOOLS_UPSTREAM_MIRROR; else they are downloaded)")
     command.set_defaults(run=_upstream)
 
     command = commands.add_parser("apply", help="build build/trees/<name> from the upstreams and patches/")
@@ -152,16 +155,21 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None, root: Path = REPO_ROOT) -> int:
+    try:
+        return run(argv, root)
+    except ToolError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 1
+
+
+def run(argv: list[str] | None = None, root: Path = REPO_ROOT) -> int:
+    """main() without its error handling: a refusal raises ToolError (nox reports it itself)."""
     parser = _parser()
     args, extra = parser.parse_known_args(argv)
     if extra and args.command != "test":
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
     args.pytest_args = extra
-    try:
-        return args.run(Layout.at(root), args)
-    except ToolError as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 1
+    return args.run(Layout.at(root), args)
 
 
 if __name__ == "__main__":

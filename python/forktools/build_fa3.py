@@ -24,13 +24,22 @@ Profiles (the FLASH_ATTENTION_DISABLE_* variables of hopper/setup.py, patch flas
 from __future__ import annotations
 
 import os
-import sys
+import subprocess
 import threading
 import time
 from pathlib import Path
 
-from forktools import ToolError, patchfile
+from forktools import ToolError, patchfile, toolchain
 from forktools.layout import Layout
+from forktools.wheelbuild import (
+    ninja_log_lengths,
+    pip_wheel_command,
+    relay_tree,
+    report_unit_times,
+    run_with_progress,
+    source_hash,
+    stop,
+)
 
 UPSTREAM = "flash-attn-3"
 PACKAGE = "flash_attn_3"
@@ -61,9 +70,14 @@ def default_jobs(jobs: int | None, beside_fa2: bool = False) -> int:
 def version_label(layout: Layout, profile: str = "dev", mutations: list[Path] = ()) -> str:
     """The wheel's `+sparse.<hash>.<profile>[.mutant]`: the hash of the lock, the FA-3 patches and
     overlay, the profile and arch (not python/: a Python-only change reuses the wheel)."""
-    from forktools import build as fa2_build
-    label = f"sparse.{fa2_build.source_hash(layout, profile, ['90a'], mutations, name=UPSTREAM)}.{profile}"
+    label = f"sparse.{source_hash(layout, profile, ['90a'], mutations, name=UPSTREAM)}.{profile}"
     return label + (".mutant" if mutations else "")
+
+
+def existing_wheel(layout: Layout, profile: str = "dev", mutations: list[Path] = ()) -> Path | None:
+    """The wheel of exactly this source in dist/, if one is there."""
+    existing = sorted((layout.root / "dist").glob(wheel_glob(version_label(layout, profile, mutations))))
+    return existing[-1] if existing else None
 
 
 def is_mutation_of_fa3(mutation: Path) -> bool:
@@ -73,36 +87,36 @@ def is_mutation_of_fa3(mutation: Path) -> bool:
 
 
 def build(layout: Layout, profile: str = "dev", jobs: int | None = None, reuse: bool = False,
-          mutations: list[Path] = (), beside_fa2: bool = False) -> Path:
+          mutations: list[Path] = (), beside_fa2: bool = False, tools: toolchain.Toolchain | None = None,
+          on_start=None) -> Path:
     """Build (or, with reuse, find) the FA-3 wheel in dist/ and return it; mutations are diffs
     laid on the patched tree (tests/mutations/fa3-*.patch), the label then ends in `.mutant`;
-    beside_fa2: FA-2's build runs at the same time (default_jobs leaves it memory)."""
-    from forktools import build as fa2_build
-
+    beside_fa2: FA-2's build runs at the same time (default_jobs leaves it memory); tools: the
+    checked toolchain (else checked here); on_start gets the compiling process."""
     if profile not in PROFILES:
         raise ToolError(f"unknown FA-3 profile {profile!r}; choose one of {', '.join(PROFILES)}")
     label = version_label(layout, profile, mutations)
     dist = layout.root / "dist"
-    existing = sorted(dist.glob(wheel_glob(label)))
+    existing = existing_wheel(layout, profile, mutations)
     if reuse and existing:
-        print(f"build fa3: reusing {existing[-1].relative_to(layout.root)}")
-        return existing[-1]
+        print(f"build fa3: reusing {existing.relative_to(layout.root)}")
+        return existing
+    tools = tools or toolchain.check()
     stage = layout.root / "build" / "wheel" / UPSTREAM
-    fa2_build.relay_tree(layout, stage, name=UPSTREAM)
+    relay_tree(layout, stage, name=UPSTREAM)
     for mutation in mutations:
         patchfile.apply_diff(patchfile.split_description(Path(mutation).read_bytes()), stage, str(mutation))
         print(f"build fa3: applied mutation {mutation}", flush=True)
-    env = {**os.environ, **PROFILES[profile],
+    env = {**os.environ, **PROFILES[profile], **tools.env(),
            "FLASH_ATTENTION_FORCE_BUILD": "TRUE", "FLASH_ATTN_LOCAL_VERSION": label,
            "MAX_JOBS": str(default_jobs(jobs, beside_fa2)), "NVCC_THREADS": os.environ.get("NVCC_THREADS", "1")}
     dist.mkdir(exist_ok=True)
     log_path = layout.root / "build" / "logs" / f"build-fa3-{profile}.log"
     log_path.parent.mkdir(parents=True, exist_ok=True)
-    command = [sys.executable, "-m", "pip", "wheel", "--no-build-isolation", "--no-deps", "--no-index", "-v",
-               "-w", str(dist), "."]
     print(f"build fa3: {profile} profile, sm90a, {env['MAX_JOBS']} jobs, version label {label}", flush=True)
-    start, ninja_before = time.monotonic(), fa2_build.ninja_log_lengths(stage)
-    returncode = fa2_build._run_with_progress(command, stage / "hopper", env, log_path, prefix="fa3 ")
+    start, ninja_before = time.monotonic(), ninja_log_lengths(stage)
+    returncode = run_with_progress(pip_wheel_command(dist), stage / "hopper", env, log_path, prefix="fa3 ",
+                                   on_start=on_start)
     elapsed = time.monotonic() - start
     if returncode:
         raise ToolError(f"the FA-3 build failed after {elapsed:.0f} s (exit {returncode}); see {log_path}")
@@ -111,24 +125,42 @@ def build(layout: Layout, profile: str = "dev", jobs: int | None = None, reuse: 
         raise ToolError(f"the FA-3 build finished but no wheel with version label {label} is in {dist}")
     print(f"build fa3: {wheels[-1].relative_to(layout.root)} ({wheels[-1].stat().st_size / 1e6:.1f} MB) "
           f"in {elapsed:.0f} s", flush=True)
-    fa2_build.report_unit_times(stage, ninja_before, log_path.parent / f"units-{UPSTREAM}{'-mutant' if mutations else ''}.txt")
+    report_unit_times(stage, ninja_before, log_path.parent / f"units-{UPSTREAM}{'-mutant' if mutations else ''}.txt")
     return wheels[-1]
 
 
 class Background:
-    """build() in a thread; result() waits and returns the wheel or raises its error."""
+    """build() in a thread; result() waits and returns the wheel or raises its error, cancel()
+    stops its compile."""
 
-    def __init__(self, layout: Layout, profile: str, jobs: int | None, reuse: bool, mutations: list[Path] = ()):
+    def __init__(self, layout: Layout, profile: str, jobs: int | None, reuse: bool, mutations: list[Path] = (),
+                 tools: toolchain.Toolchain | None = None):
         self._wheel: Path | None = None
         self._error: Exception | None = None
-        self._thread = threading.Thread(target=self._run, args=(layout, profile, jobs, reuse, mutations), daemon=True)
+        self._process: subprocess.Popen | None = None
+        self._cancelled = threading.Event()
+        self._thread = threading.Thread(target=self._run, args=(layout, profile, jobs, reuse, mutations, tools),
+                                        daemon=True)
         self._thread.start()
 
-    def _run(self, *args) -> None:
-        try:
-            self._wheel = build(*args, beside_fa2=True)  # build.build runs FA-2's beside it
+    def _run(self, layout, profile, jobs, reuse, mutations, tools) -> None:
+        try:  # build.build runs FA-2's beside it
+            self._wheel = build(layout, profile, jobs, reuse, mutations, beside_fa2=True, tools=tools,
+                                on_start=self._started)
         except Exception as err:  # noqa: BLE001 -- handed to the caller in result()
             self._error = err
+
+    def _started(self, process: subprocess.Popen) -> None:
+        self._process = process
+        if self._cancelled.is_set():
+            stop(process)
+
+    def cancel(self) -> None:
+        """Stop the compile (if it started) and wait a little for the thread to see it."""
+        self._cancelled.set()
+        if self._process is not None:
+            stop(self._process)
+        self._thread.join(timeout=60)
 
     def result(self) -> Path:
         self._thread.join()

@@ -6,6 +6,8 @@ from __future__ import annotations
 import dataclasses
 from pathlib import Path
 
+LOCK = Path("upstream") / "lock.toml"
+
 
 @dataclasses.dataclass(frozen=True)
 class Layout:
@@ -37,3 +39,17 @@ class Layout:
 
     def with_trees(self, trees: Path | str) -> Layout:
         return dataclasses.replace(self, trees=Path(trees))
+
+
+def checkout_root(start: Path | str | None = None, package: Path | str = __file__) -> Path:
+    """The checkout forktools works on: the one this package sits in (python/forktools), else
+    (installed with pip) the first folder from `start` (default the working folder) upwards that
+    holds upstream/lock.toml, else the working folder."""
+    beside = Path(package).resolve().parents[2]
+    if (beside / LOCK).is_file():
+        return beside
+    start = Path(start or Path.cwd()).resolve()
+    for folder in (start, *start.parents):
+        if (folder / LOCK).is_file():
+            return folder
+    return start

@@ -20,7 +20,8 @@ from forktools.upstream import Pin
 
 SERIES_HEADER = ("# Patch series over pinned upstream releases, applied in this order. "
                  "Written by `nox -s export`.\n")
-_BASE_LINE = re.compile(r"# base (\S+) (\S+) sha256:([0-9a-f]{64})")
+# A release is named by what checks it: an sdist's sha256, or a composed tree's git tree id.
+_BASE_LINE = re.compile(r"# base (\S+) (\S+) (sha256:[0-9a-f]{64}|tree:[0-9a-f]{40})")
 _ENTRY_LINE = re.compile(r"([^/\s]+)/([^/\s]+\.patch) stage=(\d+)")
 # Build outputs a developer may leave in a tree; excluded so they never block export.
 BUILD_OUTPUTS = ["__pycache__/", "/build/", "/dist/", "*.so"]
@@ -41,7 +42,7 @@ class Entry:
 
 @dataclasses.dataclass(frozen=True)
 class Series:
-    bases: list[tuple[str, str, str]] | None  # (name, version, sha256); None: no series file yet
+    bases: list[tuple[str, str, str]] | None  # (name, version, Pin.content); None: no series file yet
     entries: list[Entry]
 
 
@@ -61,7 +62,7 @@ def read_series(path: Path) -> Series:
 
 
 def render_series(pins: list[Pin], entries: list[Entry]) -> bytes:
-    lines = [f"# base {pin.name} {pin.version} sha256:{pin.sha256}\n" for pin in pins]
+    lines = [f"# base {pin.name} {pin.version} {pin.content}\n" for pin in pins]
     lines += [f"{entry.path} stage={entry.stage}\n" for entry in entries]
     return (SERIES_HEADER + "".join(lines)).encode()
 
@@ -167,7 +168,7 @@ def _base_problems(series: Series, pins: list[Pin]) -> list[str]:
     if series.bases is None:
         return []
     problems = []
-    pinned = [(pin.name, pin.version, pin.sha256) for pin in pins]
+    pinned = [(pin.name, pin.version, pin.content) for pin in pins]
     if series.bases != pinned:
         problems.append(f"the series is made against {_describe(series.bases)}, "
                         f"but the lock pins {_describe(pinned)}")
@@ -178,7 +179,7 @@ def _base_problems(series: Series, pins: list[Pin]) -> list[str]:
 
 
 def _describe(bases: list[tuple[str, str, str]]) -> str:
-    return "; ".join(f"{name} {version} sha256:{sha256}" for name, version, sha256 in bases) or "nothing"
+    return "; ".join(f"{name} {version} {content}" for name, version, content in bases) or "nothing"
 
 
 def _refuse_to_discard_work(layout: Layout, pin: Pin, tree: Path) -> None:

@@ -2,25 +2,25 @@
 trees used instead of them, and unpack either into a working directory.
 
 Nothing is unpacked from an sdist whose sha256 differs from the pin. A pin marked `composed`
-(flash-attn-3) has no sdist: forktools.sources fetches and composes its tree.
+(flash-attn-3) has no sdist: forktools.sources composes its tree from the GitHub tree its
+`github` key names (checked by git tree id) and the pinned sdist and wheel parts.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import json
 import os
 import re
 import shutil
-import subprocess
 import sys
 import tarfile
 import tempfile
 import tomllib
 from pathlib import Path
 
-from forktools import ToolError, gittree, sources
+from forktools import ToolError, github, gittree, sources
+from forktools.downloads import pip_download, verify_sha256
 from forktools.layout import Layout
 
 TREES_FILE = "trees.toml"
@@ -30,11 +30,17 @@ TREES_FILE = "trees.toml"
 class Pin:
     name: str
     version: str
-    sdist: str
-    sha256: str
+    sdist: str = ""
+    sha256: str = ""
     download_args: tuple[str, ...] = ()
     download_env: dict[str, str] = dataclasses.field(default_factory=dict)
-    composed: bool = False  # sdist/sha256 name the main archive of a tree forktools.sources composes
+    composed: bool = False  # no sdist: forktools.sources composes the tree
+    tree: str = ""  # a composed pin's main part: the git tree id of the GitHub tree it names
+
+    @property
+    def content(self) -> str:
+        """What the release is checked by, as the series header names it."""
+        return f"tree:{self.tree}" if self.composed else f"sha256:{self.sha256}"
 
 
 def load_pins(lock: Path) -> list[Pin]:
@@ -42,14 +48,17 @@ def load_pins(lock: Path) -> list[Pin]:
     with open(lock, "rb") as file:
         tables = tomllib.load(file).get("upstream", [])
     try:
-        return [
-            Pin(name=table["name"], version=table["version"], sdist=table["sdist"],
-                sha256=table["sha256"], download_args=tuple(table.get("download_args", ())),
-                download_env=dict(table.get("download_env", {})), composed=table.get("composed", False))
-            for table in tables
-        ]
+        return [_pin(lock, table) for table in tables]
     except KeyError as missing:
         raise ToolError(f"{lock}: an [[upstream]] table lacks {missing}") from None
+
+
+def _pin(lock: Path, table: dict) -> Pin:
+    if table.get("composed", False):
+        tree = github.named(github.load(lock), table["github"]).tree
+        return Pin(name=table["name"], version=table["version"], composed=True, tree=tree)
+    return Pin(name=table["name"], version=table["version"], sdist=table["sdist"], sha256=table["sha256"],
+               download_args=tuple(table.get("download_args", ())), download_env=dict(table.get("download_env", {})))
 
 
 def pin_named(pins: list[Pin], name: str) -> Pin:
@@ -60,20 +69,10 @@ def pin_named(pins: list[Pin], name: str) -> Pin:
                     f"{', '.join(pin.name for pin in pins)})")
 
 
-def verify_sha256(path: Path, expected: str, label: str | None = None) -> None:
-    """Refuse a file whose sha256 is not the pinned one, naming it and both hashes."""
-    with open(path, "rb") as file:
-        actual = hashlib.file_digest(file, "sha256").hexdigest()
-    if actual != expected:
-        raise ToolError(
-            f"sha256 mismatch for {label or path}:\n  expected {expected}\n  actual   {actual}\n"
-            "Refusing to use it; delete it and run `python -m forktools upstream` to fetch it again.")
-
-
 def fetch(layout: Layout, offline: bool = False, mirror: Path | str | None = None) -> None:
     """Make every pinned release available: verify cached sdists, download missing ones with pip
     (unless offline), or check the local tree recorded for it; then the GitHub trees (from the
-    cache or the mirror folder) and wheels of forktools.sources."""
+    cache, the mirror folder or the repository's archive) and wheels of forktools.sources."""
     layout.cache.mkdir(parents=True, exist_ok=True)
     trees = recorded_trees(layout)
     for pin in load_pins(layout.lock):
@@ -100,23 +99,6 @@ def fetch(layout: Layout, offline: bool = False, mirror: Path | str | None = Non
 def _download(pin: Pin, cache: Path) -> None:
     pip_download(pin.name, pin.version, pin.sdist, pin.sha256, cache, ["--no-binary", ":all:", *pin.download_args],
                  pin.download_env)
-
-
-def pip_download(name: str, version: str, file_name: str, sha256: str, cache: Path, options: list[str],
-                 env: dict | None = None) -> None:
-    """`pip download --no-deps OPTIONS name==version` into cache/file_name, verified by sha256.
-    Downloaded next to the cache so the verified file can be renamed into place atomically."""
-    with tempfile.TemporaryDirectory(dir=cache, prefix=".download-") as scratch:
-        command = [sys.executable, "-m", "pip", "download", "--no-deps", *options, f"{name}=={version}", "-d", scratch]
-        print("+", " ".join(command), flush=True)
-        result = subprocess.run(command, env={**os.environ, **(env or {})})
-        if result.returncode:
-            raise ToolError(f"{name}: pip download failed (exit {result.returncode})")
-        fetched = Path(scratch) / file_name
-        if not fetched.exists():
-            raise ToolError(f"{name}: pip produced {sorted(os.listdir(scratch))}, not {file_name}")
-        verify_sha256(fetched, sha256, label=f"the downloaded {file_name}")
-        os.replace(fetched, cache / file_name)
 
 
 def recorded_trees(layout: Layout) -> dict[str, Path]:
@@ -208,7 +190,6 @@ def unpack(layout: Layout, name: str, dest: Path) -> None:
     tree = recorded_trees(layout).get(name)
     if pin.composed:
         flash_attn = pin_named(load_pins(layout.lock), "flash-attn")
-        verify_sha256(layout.cache / pin.sdist, pin.sha256)
         verify_sha256(layout.cache / flash_attn.sdist, flash_attn.sha256)
         sources.compose_fa3(layout, layout.cache / flash_attn.sdist, dest)
     elif tree is None:
@@ -220,7 +201,7 @@ def unpack(layout: Layout, name: str, dest: Path) -> None:
 
 def _extract_sdist(sdist: Path, sha256: str, dest: Path) -> None:
     if not sdist.exists():
-        raise ToolError(f"{sdist} is missing; run `python -m forktools upstream` first")
+        raise ToolError(f"{sdist} is missing; run `nox -s upstream` first")
     verify_sha256(sdist, sha256)
     # Extract beside dest, then rename the single top folder into place.
     with tempfile.TemporaryDirectory(dir=dest.parent, prefix=".unpack-") as scratch:
