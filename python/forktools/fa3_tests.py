@@ -2,13 +2,12 @@
 
     PYTHONPATH=python python -m forktools.fa3_tests [pytest args]
 
-(the upstream cache must hold FA-3's pinned archives: `nox -s upstream -- --mirror DIR`, or
-$FORKTOOLS_UPSTREAM_MIRROR). It builds (or reuses) and installs the dev flash_attn_3 wheel
-(forktools.build_fa3), then runs hopper/test_flash_attn.py of the patched tree from
-build/wheel/flash-attn-3/hopper with the dev profile's FLASH_ATTENTION_DISABLE_* variables, which
-upstream's test file reads to narrow its own parameters. It is also the pytest plugin
-(`-p forktools.fa3_tests`) that deselects, by name and parameter, what the dev profile does not
-compile (DESELECT); pytest's summary line gives the pass / skip / fail / deselected counts.
+(`nox -s upstream` fetches the pinned sources first). It builds (or reuses) and installs the
+dev flash_attn_3 wheel (forktools.build_fa3), then runs hopper/test_flash_attn.py of the patched
+tree from build/wheel/flash-attn-3/hopper with the dev profile's FLASH_ATTENTION_DISABLE_*
+variables, which upstream's test file reads to narrow its own parameters. It is also the pytest
+plugin (`-p forktools.fa3_tests`) that deselects, by name and parameter, what the dev profile
+does not compile (DESELECT); pytest's summary line gives the pass / skip / fail / deselected counts.
 """
 
 from __future__ import annotations

@@ -431,11 +431,11 @@ def upstream_fa3(session) -> str:
     """Upstream FA-3's hopper/test_flash_attn.py (of the patched tree) on the installed flash_attn_3,
     narrowed by -k and by forktools.fa3_tests' deselection of what the dev profile leaves out.
     The tree is laid out afresh: a reused wheel leaves none, and a mutant build leaves its own."""
-    from forktools import build, build_fa3
+    from forktools import build_fa3, wheelbuild
     from forktools.layout import Layout
     log = session.logs / "upstream-fa3.log"
     tree = session.root / "build" / "wheel" / build_fa3.UPSTREAM
-    session.act(f"lay the patched {build_fa3.UPSTREAM} tree in {tree}", build.relay_tree, Layout.at(session.root), tree,
+    session.act(f"lay the patched {build_fa3.UPSTREAM} tree in {tree}", wheelbuild.relay_tree, Layout.at(session.root), tree,
                 build_fa3.UPSTREAM)
     hopper = tree / "hopper"
     python_path = os.pathsep.join([str(session.root / "python"), session.env.get("PYTHONPATH", "")])
