@@ -57,7 +57,7 @@ def http_download(url: str, dest: Path) -> None:
         with urllib.request.urlopen(url, timeout=HTTP_TIMEOUT_S) as response, open(dest, "wb") as file:
             shutil.copyfileobj(response, file, length=1 << 20)
     except urllib.error.HTTPError as err:
-        raise ToolError(f"could not download {url}: HTTP {err.code} {err.reason}") from None
+        raise ToolError(f"could not download {url}: HTTP {err.code} {str(err.reason).splitlines()[0]}") from None
     except (urllib.error.URLError, OSError) as err:
         reason = getattr(err, "reason", None) or err
         raise ToolError(f"could not download {url}: {reason}") from None
