@@ -7,8 +7,8 @@ the order given (`--list` shows them). Every result and log goes under one outpu
 tar files that a later run takes back with `--wheels`; the last thing printed is a summary table.
 `--dry-run` prints the command lines instead. FA-4 runs where `--cutedsl-site` names a folder
 holding its CuTe-DSL runtime (`pip install --target DIR --group fa4-compile`); without it the FA-4
-tests skip and `auto` runs FA-2 / FA-3. `--budget-s` bounds the whole run, so that the summary and
-the logs are written before a CI job's own timeout would kill it.
+tests skip. `--budget-s` bounds the whole run, so that the summary and the logs are written before
+a CI job's own timeout would kill it.
 
     PYTHONPATH=python python -m forktools gpu --out DIR [--cutedsl-site SITE] [--wheels DIR] STEP... [options]
 """
