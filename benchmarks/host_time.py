@@ -2,9 +2,7 @@
 
 For each backend present (fa2, fa3: their planned kernels launched as one CUDA graph per run,
 backends/device.GRAPH_LAUNCH, the default; fa2-direct and fa3-direct, the same with that switch off,
-each kernel launched by the runtime; fa4, and auto: where its eager runs go,
-routing.eager_choice) and each
-shape it times, in one process (every figure the median of --passes whole passes over the rows, 3
+each kernel launched by the runtime; fa4, and auto) and each shape it times, in one process (every figure the median of --passes whole passes over the rows, 3
 by default, with the one-shot's range across them):
 - `after sync`: median over 200 calls of one call started on an idle GPU, plan.run, the one-shot
   call, their parts and a lone copy taking turns call by call (a drifting host weighs on each
@@ -12,11 +10,9 @@ by default, with the one-shot's range across them):
   eager model's launch stream costs the CPU);
 - eager ms per call (back-to-back calls, synchronized at the end) over the graph-replay ms, the
   ratio issue 27 bounds (one list set here, so L2 stays warm for both, unlike bench_sparse.py);
-- the parts: plan.run, the launches alone (the extensions' SparseForward.run; the one-shot's
-  launch: FA-2's and FA-3's SparseForward.run_with through their launchers, FA-2's sparse_fwd
-  which it replaced; FA-3's launcher through the
-  extension's fwd_into and the same launch through the op fwd_out's dispatcher), the one-shot
-  cache's key, the plan's Python checks, and for scale a lone device copy and an empty Python call;
+- the parts: the launches alone (a plan's Planned.run, a one-shot entry's Planned.run_with, the
+  checked path for an out of other strides), the one-shot cache's key, the plan's Python
+  checks, and for scale a lone device copy and an empty Python call;
 - the host time of one plan.run captured as a CUDA graph and replayed (`graph of one run`): what
   a run would cost as a single graph launch; on fa2 and fa3, `SparseForward.run (graph launch)`:
   a SparseForward of the plan's launching its kernels as one graph given each run's parameters
@@ -40,7 +36,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import flash_attn_sparse as fas  # noqa: E402
 from bench_sparse import DECODE, host_us_after_sync, make_lists, random_inputs, to_blocks  # noqa: E402
 from flash_attn_sparse.backends import BACKENDS  # noqa: E402
-from flash_attn_sparse.interface import facts  # noqa: E402
+from flash_attn_sparse.calls import facts  # noqa: E402
 
 CALLS = 200
 
@@ -106,48 +102,32 @@ def runtime_calls(fn) -> str:
     return "; ".join(f"{e.key} x{e.count / 100:g} {e.cpu_time_total / e.count:.1f}" for e in events)
 
 
-def parts(backend, plan, q, k, v):
+def parts(backend, plan, q, k, v, blocks):
     """The launches a plan's run or a one-shot call makes, without their Python: [(name, fn)]."""
-    from flash_attn_sparse import ops
+    from flash_attn_sparse.calls import SparseCall
     from flash_attn_sparse.interface import cache_key
+    from flash_attn_sparse.options import CallOptions
     out, b = plan.out, plan.blocks
+    options = CallOptions(backend=backend)
+    tensors = dict(cu_seqlens_q=None, cu_seqlens_k=None, seqused_k=None, page_table=None)
     # The one-shot cache's key (interface.run_cached): what a cached call pays before its launch.
-    key = ("one-shot key", lambda: cache_key(q, k, v, out, b, (), None, None, None, None))
-    if backend == "fa2" and plan._planned is not None:
-        from flash_attn_sparse.backends import fa2
-        planned, args = plan._planned, plan._extension_args
-        # The one-shot's launch (SparseForward.run_with through fa2.launcher, a new LSE per call),
-        # and sparse_fwd, which it replaced (checks and buffers per call).
-        one_shot_launch = fa2.launcher(plan._decision.call, plan.num_splits, out=out)
-        found = [("SparseForward.run", lambda: planned.run(q, k, v, out)),
-                 ("launcher (run_with)", lambda: one_shot_launch(q, k, v, b, out)),
-                 ("sparse_fwd", lambda: ops.launch_direct(dict(args, q=q, k=k, v=v), out)), key]
-        return found + graph_launched(lambda: ops.planned_forward(args, q, k, v, out, graph_launch=True), q, k, v, out)
-    if backend == "auto":  # its eager path asks whether the stream is capturing (routing.capturing)
-        from flash_attn_sparse.routing import capturing
-        return [key, ("capturing()", capturing)]
-    if backend != "fa3":
-        return [key]
-    from flash_attn_sparse.backends import fa3, fa3_ops
-    found = [key]
-    if plan._planned is not None:
-        planned = plan._planned
-        found.append(("SparseForward.run", lambda: planned.run(q, k, v, out)))
-        call = plan._decision.call
-        found += graph_launched(lambda: fa3.planned(call, plan.num_splits, out, graph_launch=True), q, k, v, out)
-    # The one-shot cache's launch (one SparseForward per shape, run_with per call, a new LSE each),
-    # and the plan's launcher for outs of other strides (fwd_into: checks and buffers per call).
-    one_shot_launch = fa3.launcher(plan._decision.call, plan.num_splits, out=out)
-    found.append(("run_with", lambda: one_shot_launch(q, k, v, b, out)))
-    launch = plan._launch
-    found.append(("launcher", lambda: launch(q, k, v, b, out)))
-    # The same launch through the op's dispatcher (what the launcher paid before fwd_into).
-    args = fa3_ops.static_args(q, b, softmax_scale=plan._decision.call.scale, causal=plan._decision.call.causal,
-                               num_splits=plan.num_splits)
-    op_out = fa3_ops.op_out()
-    found.append(("op fwd_out", lambda: op_out(q, k, v, out, b.full_cnt, b.full_idx, b.mask_cnt, b.mask_idx,
-                                               b.cu_total_m_blocks, b.cu_block_idx_offsets, None, None, **args)))
-    return found
+    found = [("one-shot key", lambda: cache_key(q, k, v, out, b, options, None, None, None, None, (None, None)))]
+    if backend not in ("fa2", "fa3"):
+        return found
+    call = SparseCall(q, k, v, blocks, options)
+    planned = plan._planned
+    # The plan's launch (SparseForward.run), a one-shot entry's (SparseForward.run_with, a new LSE
+    # per call) and the path for an out of other strides (the extension's checked entry point).
+    one_shot = BACKENDS[backend].plan(call, plan.num_splits, out, keep_buffers=False)
+    found += [("Planned.run", lambda: planned.run(q, k, v, out)),
+              ("one-shot run_with", lambda: one_shot.run_with(q, k, v, out, b, tensors)),
+              ("run_any_out", lambda: planned.run_any_out(q, k, v, out))]
+    if backend == "fa2":
+        from flash_attn_sparse.backends import fa2, fa2_ops
+        args = fa2_ops.extension_args(fa2.op_args(call, plan.num_splits))
+        return found + graph_launched(lambda: fa2_ops.planned_forward(args, q, k, v, out, graph_launch=True), q, k, v, out)
+    from flash_attn_sparse.backends import fa3
+    return found + graph_launched(lambda: fa3.planned(call, plan.num_splits, out, graph_launch=True), q, k, v, out)
 
 
 def graph_launched(make, q, k, v, out) -> list:
@@ -188,12 +168,12 @@ def measure(shape, backend):
         from flash_attn_sparse.backends import device
         default = device.GRAPH_LAUNCH
         device.GRAPH_LAUNCH = False
-        interface._decisions.clear()  # the one-shot cache's entries, planned anew without graph_launch
+        interface.one_shot_cache.clear()  # the one-shot cache's entries, planned anew without graph_launch
         try:
             row = measure(shape, DIRECT_ROWS[backend])
         finally:
             device.GRAPH_LAUNCH = default
-            interface._decisions.clear()
+            interface.one_shot_cache.clear()
         return dict(row, backend=backend)
     import random
     q, k, v = random_inputs(shape)
@@ -204,9 +184,9 @@ def measure(shape, backend):
         return {"shape": shape.name, "backend": backend, "note": f"refused: {error}"}
     run = lambda: plan.run(q, k, v)  # noqa: E731
     one_shot = lambda: fas.flash_attn_with_sparse_block_table(q, k, v, blocks, backend=backend)  # noqa: E731
-    label = backend if plan.eager_backend == plan.backend else f"{backend} ({plan.backend}, eagerly {plan.eager_backend})"
-    row = {"shape": shape.name, "backend": label, "splits": plan.num_splits}
-    found = parts(backend, plan, q, k, v)
+    row = {"shape": shape.name, "backend": backend if backend != "auto" else f"auto ({plan.backend})",
+           "splits": plan.num_splits}
+    found = parts(backend, plan, q, k, v, blocks)
     src = torch.empty(1 << 20, device="cuda")
     dst = torch.empty_like(src)
     for _ in range(20):

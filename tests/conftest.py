@@ -52,6 +52,6 @@ def auto_stays_on_fa2(request, monkeypatch):
     decode calls to FA-3 (test_auto_routing.py tests that rule). backend="fa3" requested stays
     available."""
     from flash_attn_sparse import interface, routing
-    interface._decisions.clear()  # the one-shot cache would carry one test's routing into the next
+    interface.one_shot_cache.clear()  # the one-shot cache would carry one test's routing into the next
     if request.module.__name__ not in MODULES_THAT_ROUTE_AWAY_FROM_FA2:
         monkeypatch.setattr(routing, "fa3_reason", lambda call: None)

@@ -6,8 +6,9 @@ on request, and the same answer whether or not a CUDA graph is being captured.""
 import pytest
 import torch
 
-from flash_attn_sparse import SparseBlocks, calls, interface, ops, routing
-from flash_attn_sparse.backends import fa3, fa4
+from flash_attn_sparse import SparseBlocks, calls, interface, routing
+from flash_attn_sparse.backends import fa2_ops, fa3, fa4
+from flash_attn_sparse.options import CallOptions
 
 
 @pytest.fixture
@@ -19,7 +20,7 @@ def builds(monkeypatch):
     monkeypatch.setattr(fa3, "refusal", lambda call: Builds.fa3)
     monkeypatch.setattr(fa4, "refusal", lambda call: Builds.fa4)
     monkeypatch.setattr(calls, "require_cuda", lambda q: None)
-    monkeypatch.setattr(ops, "compiled_head_dims", lambda: ((64, 128), False))  # a dev FA-2 build
+    monkeypatch.setattr(fa2_ops, "compiled_head_dims", lambda: ((64, 128), False))  # a dev FA-2 build
     return Builds
 
 
@@ -33,7 +34,7 @@ def call(batch, seqlen_q, seqlen_k, heads, heads_k, list_blocks, *, list_heads=N
     idx = torch.arange(list_blocks, dtype=torch.int32).expand(batch, list_heads, tiles, list_blocks).contiguous()
     mask = (torch.zeros_like(cnt), torch.zeros_like(idx)) if causal else (None, None)
     blocks = SparseBlocks(cnt, idx, *mask, block_size=128, q_block_size=q_block_size)
-    return calls.SparseCall(q, k, v, blocks, causal=causal, softmax_scale=None, backend=requested)
+    return calls.SparseCall(q, k, v, blocks, CallOptions(causal=causal, backend=requested))
 
 
 PREFILL = dict(batch=1, seqlen_q=4096, seqlen_k=16384, heads=8, heads_k=8)
@@ -100,7 +101,7 @@ def test_fa4_is_refused_by_name_under_torch_compile(monkeypatch):
         routing.choose(call(**DECODE, list_blocks=16, requested="fa4"))
 
 
-def test_a_decision_runs_one_backend_whatever_the_stream(builds, monkeypatch):
+def test_a_call_runs_one_backend_whatever_the_stream(builds, monkeypatch):
     from flash_attn_sparse import backends
     ran = []
     for name in ("fa2", "fa3"):
@@ -109,9 +110,8 @@ def test_a_decision_runs_one_backend_whatever_the_stream(builds, monkeypatch):
                                "run": staticmethod(lambda c, splits, out, name=name: ran.append(name) or (out, None))})
         monkeypatch.setitem(backends.BACKENDS, name, fake)
     decode = call(**DECODE, list_blocks=16)
-    decision = interface.Decision(decode)
-    decision.run(decode)
+    interface.run(decode)
     monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
-    decision.run(decode)
+    interface.run(decode)
     assert ran == ["fa3", "fa3"]

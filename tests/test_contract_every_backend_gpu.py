@@ -212,3 +212,34 @@ def test_torch_compile_fullgraph_traces_the_backend(backend):
     eager = attend(backend, lambda: forward(q, k, v, full_cnt, full_idx))
     compiled = torch.compile(forward, fullgraph=True)(q, k, v, full_cnt, full_idx)
     assert torch.equal(compiled[0], eager[0]) and torch.equal(compiled[1], eager[1])
+
+
+@pytest.mark.parametrize("shape", ["decode", "prefill"])
+@pytest.mark.parametrize("name", ["fa2", pytest.param("fa3", marks=pytest.mark.sm90), pytest.param("fa4", marks=pytest.mark.sm90),
+                                  "auto"])
+def test_eager_and_graph_replay_are_bitwise_equal(name, shape):
+    """The same call eagerly, as a one-shot call captured into a CUDA graph and replayed, and as a
+    plan's run replayed: bitwise equal, whatever backends are installed (auto's choice does not
+    depend on the capture)."""
+    if name == "fa3" and (reason := fa3_ops.missing_build()):
+        pytest.skip(reason)
+    if name == "fa4" and (reason := cute.missing_runtime()):
+        pytest.skip(reason)
+    batch, seqlen_q, seqlen_k = (4, 16, 4000) if shape == "decode" else (1, 512, 4000)
+    q, k, v = make_qkv(batch, seqlen_q, seqlen_k, H, HK, D, torch.bfloat16, seed=11)
+    blocks, _ = sparse_blocks(lists_with_the_tail(random.Random(11), batch, HK, -(-seqlen_q // 128), 32, keep=0.4))
+    eager_out, eager_lse = attend(name, lambda: fas.flash_attn_with_sparse_block_table(q, k, v, blocks, backend=name))
+    plan = fas.plan(q, k, v, blocks, backend=name)
+    assert name != "auto" or plan.backend == fas.choose_backend(q, k, v, blocks)[0]
+    out = torch.empty_like(q)
+    plan.run(q, k, v)  # warm-up outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        _, one_shot_lse = fas.flash_attn_with_sparse_block_table(q, k, v, blocks, backend=name, out=out)
+        plan_out, plan_lse = plan.run(q, k, v)
+    out.zero_()
+    plan_out.zero_()
+    graph.replay()
+    torch.cuda.synchronize()
+    for got_out, got_lse in ((out, one_shot_lse), (plan_out, plan_lse)):
+        assert torch.equal(got_out, eager_out) and torch.equal(got_lse, eager_lse)

@@ -5,6 +5,7 @@ import torch
 
 import flash_attn_sparse as fas
 from flash_attn_sparse import SparseInputError
+from flash_attn_sparse.options import CallOptions
 
 
 def random_csr(rows, key_blocks, seed, dtype=torch.int32):
@@ -81,7 +82,7 @@ def test_a_broadcast_flex_block_mask_converts_and_passes_the_call_checks(monkeyp
         fas.flash_attn_with_sparse_block_table(q, k, k, blocks, causal=True, validate="full")
     seen = []
     monkeypatch.setattr(calls, "require_cuda", lambda q: seen.append(q))
-    call = calls.SparseCall(q, k, k, blocks, causal=True, softmax_scale=None)
+    call = calls.SparseCall(q, k, k, blocks, CallOptions(causal=True))
     for name in ("full_cnt", "full_idx", "mask_cnt", "mask_idx"):
         view, source = getattr(call.blocks, name), getattr(blocks, name)
         assert view.shape[0] == 3 and view.stride(0) == 0 and view.data_ptr() == source.data_ptr()

@@ -10,6 +10,7 @@ import torch
 
 from flash_attn_sparse import SparseBlocks, calls
 from flash_attn_sparse.backends import fa3, fa3_ops
+from flash_attn_sparse.options import CallOptions
 
 B, SQ, SK, H, HK, D = 2, 16, 1024, 8, 2, 128
 
@@ -108,15 +109,16 @@ def fake_ops(monkeypatch, launched, with_direct):
 
 @pytest.mark.parametrize("with_direct", [True, False])
 @pytest.mark.parametrize("given_out", [False, True])
-def test_the_launcher_writes_a_given_out_in_place_and_allocates_otherwise(monkeypatch, given_out, with_direct):
-    """The eager launcher goes through the extension's fwd_into (every argument named), or the op
-    fwd_out for a build without it; either way into the given out, else a new one."""
+def test_the_one_shot_plan_writes_a_given_out_in_place_and_allocates_otherwise(monkeypatch, given_out, with_direct):
+    """Without the extension's SparseForward a one-shot plan goes through its fwd_into (every
+    argument named), or the op fwd_out for a build without it; either way into the given out,
+    else a new one."""
     q, k, v = qkv()
     launched = []
     fake_ops(monkeypatch, launched, with_direct)
-    call = calls.SparseCall(q, k, v, lists(), causal=False, softmax_scale=None, num_splits=2, backend="fa3")
+    call = calls.SparseCall(q, k, v, lists(), CallOptions(num_splits=2, backend="fa3"))
     out = torch.zeros_like(q) if given_out else None
-    result, lse = fa3.launcher(call, 2)(q, k, v, call.effective_blocks(), out)
+    result, lse = fa3.plan(call, 2, out, keep_buffers=False).run_with(q, k, v, out, call.effective_blocks(), {})
     ((name, options),) = launched
     assert name == ("fwd_into" if with_direct else "fwd_out") and options["num_splits"] == 2
     if with_direct:
@@ -132,7 +134,7 @@ def test_run_goes_through_the_ops(monkeypatch, given_out):
     q, k, v = qkv()
     launched = []
     fake_ops(monkeypatch, launched, with_direct=True)
-    call = calls.SparseCall(q, k, v, lists(), causal=False, softmax_scale=None, num_splits=2, backend="fa3")
+    call = calls.SparseCall(q, k, v, lists(), CallOptions(num_splits=2, backend="fa3"))
     out = torch.zeros_like(q) if given_out else None
     result, lse = fa3.run(call, 2, out)
     ((name, options),) = launched
@@ -140,12 +142,12 @@ def test_run_goes_through_the_ops(monkeypatch, given_out):
     assert (result is out) == given_out and bool((result == 1).all())
 
 
-def test_the_one_shot_launcher_plans_once_and_passes_a_new_lse_per_call(monkeypatch):
-    """With the extension's SparseForward the launcher plans once (fwd_out's arguments by name, an
-    out like q) and each launch passes its tensors, lists included, by name to run_with and
-    returns the new LSE it returns: an LSE a caller keeps is never overwritten by a later call
-    of the same shape. A plan's launcher for outs of other strides (reuse_plan=False) goes
-    through fwd_into."""
+def test_the_one_shot_plan_plans_once_and_passes_a_new_lse_per_call(monkeypatch):
+    """With the extension's SparseForward a one-shot plan plans once (fwd_out's arguments by name,
+    an out like q) and each run_with passes its tensors, lists included, by name to the
+    extension's run_with and returns the new LSE it returns: an LSE a caller keeps is never
+    overwritten by a later call of the same shape. A plan's run into an out of other strides
+    goes through fwd_into."""
     q, k, v = qkv()
     launched, made, runs = [], [], []
     fake_ops(monkeypatch, launched, with_direct=True)
@@ -167,8 +169,9 @@ def test_the_one_shot_launcher_plans_once_and_passes_a_new_lse_per_call(monkeypa
             return torch.full((q.shape[0], q.shape[2], q.shape[1]), float(len(runs)))  # a new LSE per call
 
     monkeypatch.setattr(fa3_ops, "planner", lambda: FakeSparseForward)
-    call = calls.SparseCall(q, k, v, lists(), causal=False, softmax_scale=None, num_splits=2, backend="fa3")
-    launch = fa3.launcher(call, 2)
+    call = calls.SparseCall(q, k, v, lists(), CallOptions(num_splits=2, backend="fa3"))
+    one_shot = fa3.plan(call, 2, None, keep_buffers=False)
+    launch = lambda q, k, v, blocks, out: one_shot.run_with(q, k, v, out, blocks, {})  # noqa: E731
     (planned_with,) = made
     assert planned_with["out"].shape == q.shape and planned_with["num_splits"] == 2
     other = lists()
@@ -181,5 +184,5 @@ def test_the_one_shot_launcher_plans_once_and_passes_a_new_lse_per_call(monkeypa
         "q", "k", "v", "out", "full_cnt", "full_idx", "mask_cnt", "mask_idx", "cu_total_m_blocks",
         "cu_block_idx_offsets", "cu_seqlens_q", "cu_seqlens_k"}
     given = torch.zeros_like(q)
-    result, _ = fa3.launcher(call, 2, reuse_plan=False)(q, k, v, other, given)
-    assert len(made) == 1 and launched[-1][0] == "fwd_into" and result is given
+    result, _ = fa3.plan(call, 2, None).run_any_out(q, k, v, given)
+    assert len(made) == 2 and launched[-1][0] == "fwd_into" and result is given

@@ -43,9 +43,9 @@ def test_a_direct_row_turns_graph_launch_off_for_itself_only(monkeypatch, direct
         return row(10.0, 30.0, 8.0)
 
     monkeypatch.setattr(host_time, "measure", fake_measure)
-    interface._decisions[("stale",)] = None
+    interface.one_shot_cache[("stale",)] = None
     shape = type("Shape", (), {"name": "decode B1"})()
     result = host_time.measure(shape, direct_row)
     # The one-shot cache emptied before and after: its entries planned without graph_launch.
-    assert seen == [(plain, False)] and result["backend"] == direct_row and not interface._decisions
+    assert seen == [(plain, False)] and result["backend"] == direct_row and not interface.one_shot_cache
     assert device.GRAPH_LAUNCH is True

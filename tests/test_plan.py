@@ -4,16 +4,15 @@ once and runs many; the one-shot entry points cache their decisions by shape; ou
 The fake_gpu fixture lets CPU tensors past the CUDA-device check and records what would be
 launched instead of launching it."""
 
-import importlib
 
 import pytest
 import torch
 
 import flash_attn_sparse as fas
-from flash_attn_sparse import SparseBlocks, SparseInputError, calls, interface, ops
-from flash_attn_sparse.backends import device, fa2
+from flash_attn_sparse import SparseBlocks, SparseInputError, calls, interface
+from flash_attn_sparse.backends import device, fa2, fa2_ops
 
-PLANNED_FORWARD = ops.planned_forward  # the real one, before fake_gpu replaces it
+PLANNED_FORWARD = fa2_ops.planned_forward  # the real one, before fake_gpu replaces it
 
 B, SQ, SK, H, HK, D = 2, 1, 1024, 4, 2, 64
 
@@ -47,13 +46,13 @@ def fake_gpu(monkeypatch):
 
     monkeypatch.setattr(calls, "validate_blocks", counting_validate_blocks)
     monkeypatch.setattr(calls, "require_cuda", lambda q: None)
-    monkeypatch.setattr(ops, "compiled_head_dims", lambda: ((64, 128), False))
+    monkeypatch.setattr(fa2_ops, "compiled_head_dims", lambda: ((64, 128), False))
     monkeypatch.setattr(fa2, "num_sms", lambda index: 132)
-    monkeypatch.setattr(ops, "sparse_fwd", fake_op("fwd"))
-    monkeypatch.setattr(ops, "sparse_fwd_out", fake_op("fwd_out"))
-    monkeypatch.setattr(ops, "launch_direct", lambda args, out: fake_op("direct")(**args, out=out))
-    monkeypatch.setattr(ops, "planned_forward", lambda *args: None)  # a build without SparseForward
-    monkeypatch.setattr(interface, "_decisions", type(interface._decisions)())
+    monkeypatch.setattr(fa2_ops, "sparse_fwd", fake_op("fwd"))
+    monkeypatch.setattr(fa2_ops, "sparse_fwd_out", fake_op("fwd_out"))
+    monkeypatch.setattr(fa2_ops, "launch_direct", lambda args, out: fake_op("direct")(**args, out=out))
+    monkeypatch.setattr(fa2_ops, "planned_forward", lambda *args: None)  # a build without SparseForward
+    monkeypatch.setattr(interface, "one_shot_cache", type(interface.one_shot_cache)())
     return record
 
 
@@ -73,8 +72,10 @@ def test_repeated_one_shot_calls_validate_once_and_launch_the_new_tensors(fake_g
     assert second["full_idx"].data_ptr() == table2.data_ptr()
     assert {name: value for name, value in first.items() if not isinstance(value, torch.Tensor)} == \
            {name: value for name, value in second.items() if not isinstance(value, torch.Tensor)}
-    decision, = interface._decisions.values()
-    assert all(getattr(decision.call, name) is None for name in calls.TENSOR_FIELDS), "the cache holds no caller tensor"
+    entry, = interface.one_shot_cache.values()
+    held = [value for part in (vars(entry), vars(entry.planned)) for value in part.values()]
+    held += [value for value in held if isinstance(value, dict) for value in value.values()]
+    assert not any(value is t for value in held for t in (q, k, v, q2, k2, v2, table2)), "the cache holds no caller tensor"
 
 
 @pytest.mark.parametrize("change", ["seqlen_q", "dtype", "causal", "num_splits", "list capacity", "scale", "k strides"])
@@ -109,7 +110,7 @@ def test_exhaustive_validation_is_never_cached(fake_gpu):
     q, k, v = qkv()
     for _ in range(2):
         one_shot(q, k, v, torch.tensor([0, 3], dtype=torch.int32), validate="full")
-    assert fake_gpu["validations"] == 2 and not interface._decisions
+    assert fake_gpu["validations"] == 2 and not interface.one_shot_cache
 
 
 def test_a_cached_call_still_refuses_a_bad_out(fake_gpu):
@@ -293,8 +294,8 @@ def test_a_fa2_plan_runs_the_extensions_planned_forward(fake_gpu, monkeypatch):
             runs.append((q, k, v, out))
             return torch.zeros(q.shape[0], q.shape[2], q.shape[1])
 
-    monkeypatch.setattr(ops, "planned_forward", PLANNED_FORWARD)
-    monkeypatch.setattr(ops, "_cuda_module", lambda: type("Extension", (), {"SparseForward": FakeSparseForward}))
+    monkeypatch.setattr(fa2_ops, "planned_forward", PLANNED_FORWARD)
+    monkeypatch.setattr(fa2_ops, "_cuda_module", lambda: type("Extension", (), {"SparseForward": FakeSparseForward}))
     q, k, v = qkv()
     plan = fas.SparsePlan(q, k, v, torch.tensor([0, 3], dtype=torch.int32), block_size=128, backend="fa2")
     (args,) = made
@@ -323,7 +324,7 @@ def test_planned_forward_asks_for_a_graph_launch_by_name_only_when_wanted(monkey
             """__init__(self, q, k, v, out, ..., graph_launch: bool = False)"""
             made.append(kwargs)
 
-    monkeypatch.setattr(ops, "_cuda_module", lambda: type("Extension", (), {"SparseForward": Planner}))
+    monkeypatch.setattr(fa2_ops, "_cuda_module", lambda: type("Extension", (), {"SparseForward": Planner}))
     args = {"k_mask_source": None, "v_mask_source": None, "num_splits": 2}
     PLANNED_FORWARD(args, "q", "k", "v", "out")
     PLANNED_FORWARD(args, "q", "k", "v", "out", graph_launch=False)
@@ -415,8 +416,8 @@ def test_the_fa2_one_shot_cache_plans_once_and_passes_each_calls_lists_by_name(f
 
     if not with_run_with:
         del FakeSparseForward.run_with
-    monkeypatch.setattr(ops, "planned_forward", PLANNED_FORWARD)
-    monkeypatch.setattr(ops, "_cuda_module", lambda: type("Extension", (), {"SparseForward": FakeSparseForward}))
+    monkeypatch.setattr(fa2_ops, "planned_forward", PLANNED_FORWARD)
+    monkeypatch.setattr(fa2_ops, "_cuda_module", lambda: type("Extension", (), {"SparseForward": FakeSparseForward}))
     q, k, v = qkv()
     first, second = (torch.tensor(ids, dtype=torch.int32) for ids in ([0, 3], [5, 1]))
     out1, lse1 = one_shot(q, k, v, first)

@@ -13,6 +13,7 @@ import flash_attn_sparse as fas
 from flash_attn_sparse import SparseBlocks
 from flash_attn_sparse.backends import fa4
 from flash_attn_sparse.metadata import pack_varlen_lists
+from flash_attn_sparse.options import CallOptions
 from flash_attn_sparse.reference import block_positions
 from helpers import assert_captured_run_equals_direct, assert_close_to_reference, one_shot_calls_on_two_streams, random_qkv
 
@@ -231,12 +232,12 @@ def test_fa2_one_shot_calls_of_one_shape_keep_their_own_lse_on_any_stream(num_sp
     from flash_attn_sparse.backends import fa2
     q, k, v = inputs(21)
     first, second, third = per_kv_head_lists(22), per_kv_head_lists(23), per_kv_head_lists(24)
-    interface._decisions.clear()
+    interface.one_shot_cache.clear()
     run = lambda blocks: fas.flash_attn_with_sparse_block_table(q, k, v, blocks, backend="fa2", num_splits=num_splits)  # noqa: E731
     results = one_shot_calls_on_two_streams(run, first, second, third)
-    assert len(interface._decisions) == 1
+    assert len(interface.one_shot_cache) == 1
     for blocks, out, lse in results:
-        call = calls.SparseCall(q, k, v, blocks, causal=False, softmax_scale=None, num_splits=num_splits, backend="fa2")
+        call = calls.SparseCall(q, k, v, blocks, CallOptions(num_splits=num_splits, backend="fa2"))
         ref_out, ref_lse = fa2.run(call, fa2.num_splits(call))
         assert torch.equal(out, ref_out) and torch.equal(lse, ref_lse)
 
@@ -247,16 +248,16 @@ def test_fa2_graph_launch_runs_bitwise_like_direct_launches(num_splits):
     next ones launch the kernels (forward, and the combine of a split call) as one CUDA graph given
     that run's parameters. Every run, and run_with over other lists, equals the direct forward's
     bitwise; a run on a stream being captured launches directly, and its replay equals too."""
-    from flash_attn_sparse import ops
+    from flash_attn_sparse.backends import fa2_ops
     q, k, v = inputs(31)
     blocks = per_kv_head_lists(32)
     plan = fas.plan(q, k, v, blocks, backend="fa2", num_splits=num_splits)
     args = plan._extension_args
     try:
-        graphed = ops.planned_forward(args, q, k, v, torch.empty_like(q), graph_launch=True)
+        graphed = fa2_ops.planned_forward(args, q, k, v, torch.empty_like(q), graph_launch=True)
     except TypeError as error:  # a build before graph_launch
         pytest.skip(f"this flash_attn_2_cuda has no SparseForward graph_launch: {error}")
-    direct = ops.planned_forward(args, q, k, v, torch.empty_like(q))
+    direct = fa2_ops.planned_forward(args, q, k, v, torch.empty_like(q))
     other = per_kv_head_lists(33)
     for seed in range(34, 38):
         q_i, k_i, v_i = inputs(seed)

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from flash_attn_sparse import ops
+from flash_attn_sparse.backends import fa2_ops
 
 ROOT = Path(__file__).parents[1]
 OVERLAY = ROOT / "patches/overlay/flash-attn/csrc/flash_attn"
@@ -39,10 +39,10 @@ def test_ops_pass_every_binding_argument_by_name():
     """Both custom ops hand the extension exactly the binding's names: their own arguments (named
     alike, `causal` as `is_causal`) plus out / the partials' slots."""
     names = set(_binding_names("sparse_fwd"))
-    forward = ops._extension_args({name: name for name in inspect.signature(ops.sparse_fwd._init_fn).parameters})
+    forward = fa2_ops._extension_args({name: name for name in inspect.signature(fa2_ops.sparse_fwd._init_fn).parameters})
     assert set(forward) | {"out_partial", "lse_partial", "partial_offset"} == names
-    partial_params = inspect.signature(ops.sparse_fwd_partial._init_fn).parameters
-    assert set(ops._extension_args({name: name for name in partial_params})) | (
+    partial_params = inspect.signature(fa2_ops.sparse_fwd_partial._init_fn).parameters
+    assert set(fa2_ops._extension_args({name: name for name in partial_params})) | (
         {"out_partial", "lse_partial", "partial_offset"} & set(partial_params)) == names
 
 
@@ -54,25 +54,25 @@ def test_rounded_head_dim_matches_the_cpp_rule():
     limit, small, large = map(int, rule.groups())
     for head_dim in range(8, 257, 8):
         multiple = small if head_dim <= limit else large
-        assert ops.head_dim_rounded(head_dim) == -(-head_dim // multiple) * multiple
+        assert fa2_ops.head_dim_rounded(head_dim) == -(-head_dim // multiple) * multiple
 
 
 def test_compiled_head_dims_are_head_dim_switch_kernels():
     """sparse_head_dims lists the kernels HEADDIM_SWITCH has; Python's HEAD_DIM_KERNELS are them."""
     source = (OVERLAY / "flash_api_sparse.cpp").read_text()
     body = re.search(r"sparse_head_dims\(\) \{(.*?)\n\}", source, re.S).group(1)
-    assert tuple(map(int, re.findall(r"FLASHATTENTION_DISABLE_HDIM(\d+)", body))) == ops.HEAD_DIM_KERNELS
-    assert tuple(map(int, re.findall(r"head_dims\.push_back\((\d+)\)", body))) == ops.HEAD_DIM_KERNELS
+    assert tuple(map(int, re.findall(r"FLASHATTENTION_DISABLE_HDIM(\d+)", body))) == fa2_ops.HEAD_DIM_KERNELS
+    assert tuple(map(int, re.findall(r"head_dims\.push_back\((\d+)\)", body))) == fa2_ops.HEAD_DIM_KERNELS
 
 
 @pytest.mark.gpu
 def test_extension_accepts_keywords_only_and_reports_head_dims():
     """On the built wheel: the binding refuses positional calls, and its head dims are kernels."""
-    extension = ops._cuda_module()
+    extension = fa2_ops._cuda_module()
     with pytest.raises(TypeError):
         extension.combine(None, None, None, None, None)
-    head_dims, _ = ops.compiled_head_dims()
-    assert head_dims and set(head_dims) <= set(ops.HEAD_DIM_KERNELS)
+    head_dims, _ = fa2_ops.compiled_head_dims()
+    assert head_dims and set(head_dims) <= set(fa2_ops.HEAD_DIM_KERNELS)
 
 
 def test_decode_tile_rule_matches_sparse_decode_tile():

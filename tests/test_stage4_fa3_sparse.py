@@ -377,10 +377,10 @@ def test_one_shot_calls_of_one_shape_keep_their_own_lse_on_any_stream(num_splits
         rows = [[[gapped_permuted(rng, 32, 0.4)] for _ in range(2)] for _ in range(2)]
         return SparseBlocks(*pack_rows(rows, 32), block_size=128, q_block_size=128)
     first, second, third = lists(), lists(), lists()
-    interface._decisions.clear()
+    interface.one_shot_cache.clear()
     run = lambda blocks: fas.flash_attn_with_sparse_block_table(q, k, v, blocks, backend="fa3", num_splits=num_splits)  # noqa: E731
     results = one_shot_calls_on_two_streams(run, first, second, third)
-    assert len(interface._decisions) == 1 and fa3_ops.planner() is not None
+    assert len(interface.one_shot_cache) == 1 and fa3_ops.planner() is not None
     for blocks, out, lse in results:
         call = calls_for(q, k, v, blocks, num_splits)
         ref_out, ref_lse = fa3.run(call, num_splits)
@@ -389,7 +389,8 @@ def test_one_shot_calls_of_one_shape_keep_their_own_lse_on_any_stream(num_splits
 
 def calls_for(q, k, v, blocks, num_splits):
     from flash_attn_sparse import calls
-    return calls.SparseCall(q, k, v, blocks, causal=False, softmax_scale=None, num_splits=num_splits, backend="fa3")
+    from flash_attn_sparse.options import CallOptions
+    return calls.SparseCall(q, k, v, blocks, CallOptions(num_splits=num_splits, backend="fa3"))
 
 
 def test_fa3_under_torch_compile_fullgraph_and_in_a_plan_replayed_as_a_cuda_graph():

@@ -3,8 +3,8 @@
 CPU: batched lists passed as views, the varlen re-lay against a plain Python reference.
 GPU (SM90 with flash-attn-4 importable): the Hopper path against the fp32 reference and against
 the FA-2 path, batched and varlen, causal with mask blocks, per-head lists, fp16/bf16, head dims
-64/128, split-KV over the lists (packed query heads, empty splits); routing of backend="auto", the
-speculative zero-copy form on FA-4 at prefill.
+64/128, split-KV over the lists (packed query heads, empty splits); auto's rule with FA-4 present
+(it runs on request only), the speculative forms on FA-4.
 """
 
 import importlib.util
@@ -20,6 +20,7 @@ import flash_attn_sparse as fas
 from flash_attn_sparse import SparseBlocks, SparseInputError, routing
 from flash_attn_sparse.backends import cute, fa3_ops, fa4
 from flash_attn_sparse.metadata import pack_varlen_lists
+from flash_attn_sparse.options import CallOptions
 from flash_attn_sparse.reference import block_positions, visibility_from_lists
 from helpers import assert_close_to_reference, max_err, poison_allocator, random_qkv
 from test_stage6_varlen_causal import causal_lists
@@ -65,12 +66,12 @@ def test_fa4_refuses_what_it_would_answer_wrongly(monkeypatch):
 
     def call(width, **options):
         blocks = SparseBlocks(torch.ones(2, 2, 1, dtype=torch.int32), torch.zeros(2, 2, 1, width, dtype=torch.int32))
-        return calls.SparseCall(q, k, v, blocks, causal=False, softmax_scale=None, **options)
+        return calls.SparseCall(q, k, v, blocks, CallOptions(backend=options.pop("backend", "auto")), **options)
 
     assert fa4.refusal(call(8)) is None  # 1000 keys: 8 blocks of 128
     assert fa4.refusal(call(8, seqused_k=torch.tensor([131, 1000], dtype=torch.int32))) == fa4.SEQUSED_K_UNSUPPORTED
     assert "list rows of 9 entries for 8 K/V blocks" in fa4.refusal(call(9))
-    assert routing.choose(call(9, backend="auto"))[0] == "fa2"
+    assert routing.choose(call(9))[0] == "fa2"
 
 
 def _unpacked_gqa_lists():
@@ -384,18 +385,17 @@ def test_seqused_k_inside_a_block_and_rows_wider_than_the_keys_answer_right_on_a
 
 @pytest.mark.gpu
 @pytest.mark.sm90
-def test_auto_routing():
+def test_fa4_runs_on_request_and_auto_never_takes_it():
+    """With FA-4 present auto keeps its one rule (fa3 for prefill-shaped and packed decode calls
+    FA-3 takes, else fa2), and backend="fa4" runs where FA-4 can."""
     _needs_fa4()
     dense = lambda sk, bs=128: torch.arange(-(-sk // bs), dtype=torch.int32, device="cuda")
-    q, k, v = random_qkv(1, 4096, 4096, 8, 8, 128, torch.bfloat16)
-    assert fas.choose_backend(q, k, v, dense(4096), graph=True)[0] == "fa4"
-    assert fas.choose_backend(q, k, v, dense(4096), num_splits=2, graph=True)[0] == "fa4"  # it splits fixed-length calls
-    assert fas.choose_backend(q, k, v, dense(4096, 256), block_size=256)[0] == "fa2"
-    # Causal prefill, and lists of at most 1/16 of the key blocks, go to FA-3 where its build takes them.
     fa3_here = fa3_ops.missing_build() is None
-    causal_choice, why = fas.choose_backend(q, k, v, dense(4096), causal=True, softmax_scale=0.1, graph=True)
-    assert causal_choice == "fa4" or (fa3_here and causal_choice == "fa3" and "causal" in why)
-    assert fas.choose_backend(q, k, v, dense(256), graph=True)[0] == ("fa3" if fa3_here else "fa4")  # 2 of 32 blocks
+    q, k, v = random_qkv(1, 4096, 4096, 8, 8, 128, torch.bfloat16)
+    assert fas.choose_backend(q, k, v, dense(4096))[0] == ("fa3" if fa3_here else "fa2")
+    assert fas.choose_backend(q, k, v, dense(4096), backend="fa4") == ("fa4", "requested")
+    assert fas.choose_backend(q, k, v, dense(4096), num_splits=2, backend="fa4")[0] == "fa4"  # it splits fixed-length calls
+    assert fas.choose_backend(q, k, v, dense(4096, 256), block_size=256)[0] == "fa2"
     with pytest.raises(SparseInputError, match="^backend"):
         fas.choose_backend(q, k, v, dense(4096, 256), block_size=256, backend="fa4")
     page_table = torch.arange(32, dtype=torch.int32, device="cuda").view(1, 32)
@@ -403,60 +403,10 @@ def test_auto_routing():
     assert fas.choose_backend(q, k_cache, v_cache, dense(4096), page_table=page_table)[0] == "fa2"
     with pytest.raises(SparseInputError, match="^backend"):
         fas.choose_backend(q, k_cache, v_cache, dense(4096), page_table=page_table, backend="fa4")
-    # Fewer 128-row tiles than SMs: FA-4 splits the list too.
-    q_short = q[:, :512].expand(1, 512, 8, 128)
-    assert fas.choose_backend(q_short, k, v, dense(4096), graph=True)[0] == "fa4"
-    # Decode: FA-4 where it packs the query heads of a K/V head (16 or 1 queries x 4 heads per tile);
-    # unpacked lists with fewer than 64 rows per tile stay on FA-2.
     q_decode, k_decode, v_decode = random_qkv(8, 16, 32768, 32, 8, 128, torch.bfloat16)
-    assert fas.choose_backend(q_decode, k_decode, v_decode, dense(32768), graph=True)[0] == "fa4"
-    # ... in a graph capture; eagerly at 1/16 FA-4's host time exceeds its kernel's, and FA-3 runs
-    # it where its build is present (64 packed rows a tile, modelled 17 us: FA3_MIN_PACKED_ROWS,
-    # FA3_EAGER_MIN_GPU_US), else FA-2.
-    assert fas.choose_backend(q_decode, k_decode, v_decode, dense(32768)[:16], graph=False)[0] == ("fa3" if fa3_here else "fa2")
-    assert fas.choose_backend(q_decode[:, :1], k_decode, v_decode, dense(32768)[:16], graph=False)[0] == "fa2"  # 4 rows
-    assert fas.choose_backend(q_decode, k_decode, v_decode, dense(32768)[:16], graph=True)[0] == "fa4"
+    assert fas.choose_backend(q_decode, k_decode, v_decode, dense(32768)[:16])[0] == ("fa3" if fa3_here else "fa2")
+    assert fas.choose_backend(q_decode[:, :1], k_decode, v_decode, dense(32768)[:16])[0] == "fa2"  # 4 packed rows
     assert fas.choose_num_splits_for(q_decode, k_decode, v_decode, dense(32768), backend="fa4") > 1
-    assert fas.choose_backend(q_decode[:, :1], k_decode, v_decode, dense(32768), graph=True)[0] == "fa4"  # packed, 4 rows
-    per_q_head = SparseBlocks(torch.full((8, 32, 1), 256, dtype=torch.int32, device="cuda"),  # 16 rows per tile
-                              dense(32768).expand(8, 32, 1, 256).contiguous(), block_size=128)
-    assert fas.choose_backend(q_decode, k_decode, v_decode, per_q_head)[0] == "fa2"
-
-
-@pytest.mark.gpu
-@pytest.mark.sm90
-def test_auto_runs_fa4_inside_a_capture_and_its_eager_choice_outside(monkeypatch):
-    """B2 Sq16 H8/2 decode, 1/8 of the blocks, per-K/V-head lists: auto's choice is FA-4 (packed
-    query heads), but its modelled GPU time (5 us) is far below its host time, so eager one-shot
-    calls and plan runs go to FA-2 (FA-3 only from FA3_EAGER_MIN_GPU_US); captured ones to FA-4.
-    Both answers against the fp32 reference."""
-    _needs_fa4()
-    g = torch.Generator(device="cuda").manual_seed(41)
-    q, k, v = random_qkv(2, 16, 8192, 8, 2, 128, torch.bfloat16, generator=g)
-    ids = torch.stack([torch.randperm(64, device="cuda", generator=g)[:8] for _ in range(4)]).to(torch.int32)
-    blocks = SparseBlocks(torch.full((2, 2, 1), 8, dtype=torch.int32, device="cuda"),
-                          ids.view(2, 2, 1, 8), block_size=128)  # permuted, gapped, per (batch, K/V head)
-    visible = torch.stack([visibility_from_lists([[ids[2 * b + h].tolist()] for h in range(2)], None, 128, 128, 16,
-                                                 8192, 8, causal=False, device="cuda") for b in range(2)])
-    fa4_launches = []
-    run_fa4 = fa4.launch_entry
-    monkeypatch.setattr(fa4, "launch_entry", lambda *a: fa4_launches.append(1) or run_fa4(*a))
-    assert fas.choose_backend(q, k, v, blocks, graph=True)[0] == "fa4"
-    assert fas.choose_backend(q, k, v, blocks)[0] == "fa2"
-    plan = fas.plan(q, k, v, blocks)
-    assert (plan.backend, plan.eager_backend) == ("fa4", "fa2")
-    for run in (lambda: fas.flash_attn_with_sparse_block_table(q, k, v, blocks), lambda: plan.run(q, k, v)):
-        out, lse = run()
-        assert not fa4_launches
-        assert_close_to_reference(out, lse, q, k, v, visible)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            captured_out, captured_lse = run()
-        assert len(fa4_launches) == 1
-        fa4_launches.clear()
-        captured_out.zero_()
-        graph.replay()
-        assert_close_to_reference(captured_out, captured_lse, q, k, v, visible)
 
 
 FIRST_CALL_INSIDE_A_CAPTURE = """
@@ -485,8 +435,7 @@ print("max |out - fa2|", (out.float() - ref.float()).abs().max().item(), "lse", 
 def test_first_fa4_call_of_a_shape_inside_a_graph_capture(tmp_path):
     """A process whose first FA-4 call of a shape is made while a CUDA graph is captured (its
     CuTe-DSL kernel compiled and loaded inside the capture, an empty compile cache) replays the
-    right answer: what an auto that avoids FA-4 eagerly relies on when the capture is the first
-    FA-4 call."""
+    right answer."""
     _needs_fa4()
     env = dict(os.environ, FLASH_ATTENTION_CUTE_DSL_CACHE_DIR=str(tmp_path))
     done = subprocess.run([sys.executable, "-c", FIRST_CALL_INSIDE_A_CAPTURE], env=env, capture_output=True,
@@ -513,12 +462,11 @@ def _speculative_sets(spec_ids, missed_ids, seqlen_q, seqlen_k, block, causal_sp
 @pytest.mark.sm90
 @pytest.mark.parametrize("causal_spec", [True, False])
 def test_speculative_forms_run_on_fa4_at_prefill(causal_spec, monkeypatch):
-    """Prefill-shaped speculative calls go where their union pass goes (FA-4): the zero-copy form
+    """Prefill-shaped speculative calls with backend="fa4": the zero-copy form
     as one FA-4 pass with its shared speculative mask lists; the gathered form as the missed pass
     on FA-4 over every row plus a speculative pass over the rows that see k_spec (with
     causal_spec the last 512 of 2048: few tiles, which FA-4 splits), merged into those rows."""
     _needs_fa4()
-    monkeypatch.setattr(routing, "FA4_EAGER_MIN_GPU_US", 0.0)  # FA-4's forms eagerly too, as in a capture
     g = torch.Generator(device="cuda").manual_seed(11 + causal_spec)
     seqlen_q, seqlen_k, heads, heads_k, block = 2048, 8192, 8, 2, 128  # 128 FA-4 tiles: auto takes FA-4
     q, k, v = random_qkv(1, seqlen_q, seqlen_k, heads, heads_k, 128, torch.bfloat16, generator=g)
@@ -531,7 +479,8 @@ def test_speculative_forms_run_on_fa4_at_prefill(causal_spec, monkeypatch):
     monkeypatch.setattr(fa4, "launch", lambda q, k, v, blocks, **kw: fa4_lists.append(blocks) or run_fa4(q, k, v, blocks, **kw))
 
     poison_allocator(((1, seqlen_q, heads, 128), torch.bfloat16), ((1, heads, seqlen_q), torch.float32))
-    out, lse = fas.flash_attn_speculative_sparse_zero_copy(q, k, v, spec, missed, causal_spec=causal_spec, validate="full")
+    out, lse = fas.flash_attn_speculative_sparse_zero_copy(q, k, v, spec, missed, causal_spec=causal_spec, validate="full",
+                                                           backend="fa4")
     assert len(fa4_lists) == 1 and torch.equal(fa4_lists[0].mask_idx[0, 0, 0], spec)
     assert_close_to_reference(out, lse, q, k, v, visible)
     out_fa2, lse_fa2 = fas.flash_attn_speculative_sparse_zero_copy(q, k, v, spec, missed, causal_spec=causal_spec,
@@ -542,7 +491,7 @@ def test_speculative_forms_run_on_fa4_at_prefill(causal_spec, monkeypatch):
     k_spec, v_spec = k[:, spec_start * block:].contiguous(), v[:, spec_start * block:].contiguous()
     poison_allocator(((1, seqlen_q, heads, 128), torch.bfloat16), ((1, heads, seqlen_q), torch.float32))
     out_g, lse_g = fas.flash_attn_speculative_sparse(q, k_spec, v_spec, k, v, missed, causal_spec=causal_spec,
-                                                     validate="full")
+                                                     validate="full", backend="fa4")
     assert len(fa4_lists) == 3  # both passes on FA-4
     assert_close_to_reference(out_g, lse_g, q, k, v, visible)
     out_g2, lse_g2 = fas.flash_attn_speculative_sparse(q, k_spec, v_spec, k, v, missed, causal_spec=causal_spec,
@@ -555,12 +504,11 @@ def test_speculative_forms_run_on_fa4_at_prefill(causal_spec, monkeypatch):
 @pytest.mark.sm90
 @pytest.mark.parametrize("causal_spec", [True, False])
 def test_speculative_forms_at_decode_with_fa4_present(causal_spec, monkeypatch):
-    """At decode with 64+ packed rows per FA-4 tile (16 queries x 4 query heads per K/V head)
-    the zero-copy form runs as one FA-4 pass with its shared speculative mask lists, split; the
+    """At decode with backend="fa4" (16 queries x 4 query heads per K/V head in a tile) the
+    zero-copy form runs as one FA-4 pass with its shared speculative mask lists, split; the
     gathered form as one FA-4 launch whose mask lists read k_spec / v_spec (patch
     flash-attn-4/0006). Both against the fp32 reference."""
     _needs_fa4()
-    monkeypatch.setattr(routing, "FA4_EAGER_MIN_GPU_US", 0.0)  # FA-4's forms eagerly too, as in a capture
     g = torch.Generator(device="cuda").manual_seed(23)
     batch, seqlen_q, seqlen_k, heads, heads_k, block = 2, 16, 8192, 8, 2, 128
     q, k, v = random_qkv(batch, seqlen_q, seqlen_k, heads, heads_k, 128, torch.bfloat16, generator=g)
@@ -574,13 +522,14 @@ def test_speculative_forms_at_decode_with_fa4_present(causal_spec, monkeypatch):
                         or run_fa4(*a, **kw))
 
     poison_allocator(((batch, seqlen_q, heads, 128), torch.bfloat16), ((batch, heads, seqlen_q), torch.float32))
-    out, lse = fas.flash_attn_speculative_sparse_zero_copy(q, k, v, spec, missed, causal_spec=causal_spec, validate="full")
+    out, lse = fas.flash_attn_speculative_sparse_zero_copy(q, k, v, spec, missed, causal_spec=causal_spec, validate="full",
+                                                           backend="fa4")
     assert len(fa4_calls) == 1 and fa4_calls[0][0] > 1 and not fa4_calls[0][1]  # 4 tiles on 100+ SMs: split
     assert_close_to_reference(out, lse, q, k, v, visible)
 
     k_spec, v_spec = k[:, spec_start * block:].contiguous(), v[:, spec_start * block:].contiguous()
     out_g, lse_g = fas.flash_attn_speculative_sparse(q, k_spec, v_spec, k, v, missed, causal_spec=causal_spec,
-                                                     validate="full")
+                                                     validate="full", backend="fa4")
     assert len(fa4_calls) == 2 and fa4_calls[1][1]  # one launch, the mask lists on k_spec
     assert_close_to_reference(out_g, lse_g, q, k, v, visible)
     assert max_err(lse, lse_g) <= 1e-3 and max_err(out, out_g) <= 2e-2

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import flash_attn_sparse as fas
-from flash_attn_sparse import ops
+from flash_attn_sparse.backends import fa2_ops
 from flash_attn_sparse.reference import attention_over_blocks, attention_ref, block_positions, combine_ref
 from helpers import (
     assert_close_to_reference,
@@ -238,7 +238,7 @@ def test_head_dim_without_an_even_kernel_is_exact_or_refused():
     q, k, v = random_qkv(2, 16, 1000, 8, 2, 112, torch.bfloat16, generator=g)
     blocks = [6, 0, 3]
     table = torch.tensor(blocks, dtype=torch.int32, device="cuda")
-    head_dims, uneven = ops.compiled_head_dims()
+    head_dims, uneven = fa2_ops.compiled_head_dims()
     if not uneven:
         with pytest.raises(fas.SparseInputError, match="^q: this build .* runs head dims"):
             fas.flash_attn_with_sparse_block_table(q, k, v, table, num_splits=2)
@@ -251,12 +251,12 @@ def test_head_dim_without_an_even_kernel_is_exact_or_refused():
 
 
 def test_head_dims_the_build_lacks_are_refused_by_the_combine_too():
-    head_dims, uneven = ops.compiled_head_dims()
-    missing = [d for d in ops.HEAD_DIM_KERNELS if d not in head_dims]
+    head_dims, uneven = fa2_ops.compiled_head_dims()
+    missing = [d for d in fa2_ops.HEAD_DIM_KERNELS if d not in head_dims]
     if not missing:
         pytest.skip("this build compiled every head dim")
     d = missing[0]
-    partials = torch.zeros(2, 1, 1, 1, ops.head_dim_rounded(d), device="cuda")
+    partials = torch.zeros(2, 1, 1, 1, fa2_ops.head_dim_rounded(d), device="cuda")
     with pytest.raises(fas.SparseInputError, match="^head_dim: this build"):
         fas.flash_attn_combine(partials, torch.zeros(2, 1, 1, 1, device="cuda"), torch.bfloat16)
 

@@ -8,8 +8,10 @@ import pytest
 import torch
 
 import flash_attn_sparse as fas
-from flash_attn_sparse import SparseBlocks, SparseInputError, ops
+from flash_attn_sparse import SparseBlocks, SparseInputError
+from flash_attn_sparse.backends import fa2_ops
 from flash_attn_sparse.metadata import pack_varlen_lists
+from flash_attn_sparse.options import CallOptions
 
 pytestmark = pytest.mark.stage5
 
@@ -88,7 +90,7 @@ def paged_varlen_call(max_seqlen_k=700):
     q = torch.randn(135, H, D, generator=g).bfloat16()
     k = torch.randn(PAGES, PAGE, HK, D, generator=g).bfloat16()
     blocks = pack_varlen_lists([[[[0, 1]] for _ in range(HK)], [[[2], [5]] for _ in range(HK)]], None, BS, 128)
-    return SparseCall(q, k, torch.randn_like(k), blocks, causal=False, softmax_scale=None,
+    return SparseCall(q, k, torch.randn_like(k), blocks, CallOptions(),
                  cu_seqlens_q=torch.tensor([0, 5, 135], dtype=torch.int32), cu_seqlens_k=torch.tensor([0, 300, 1000], dtype=torch.int32),
                  max_seqlen_q=130, max_seqlen_k=max_seqlen_k, page_table=torch.zeros(2, 16, dtype=torch.int32))
 
@@ -183,7 +185,7 @@ def test_enough_distinct_bad_inputs():
     assert len(BAD_CALLS) >= 25
 
 
-DEV_BUILD = ((64, 128), False)  # what ops.compiled_head_dims() answers for the dev profile
+DEV_BUILD = ((64, 128), False)  # what fa2_ops.compiled_head_dims() answers for the dev profile
 FULL_BUILD = ((32, 64, 96, 128, 192, 256), True)
 
 
@@ -195,7 +197,7 @@ FULL_BUILD = ((32, 64, 96, 128, 192, 256), True)
 def test_head_dims_run_only_on_a_kernel_the_build_compiled(head_dim, compiled, runs):
     """HEADDIM_SWITCH runs a head dim on the first kernel at least as wide, and only builds with
     uneven head dims may run one narrower than its kernel."""
-    refusal = ops.head_dim_refusal(head_dim, compiled)
+    refusal = fa2_ops.head_dim_refusal(head_dim, compiled)
     assert (refusal is None) == runs, refusal
     if not runs:
         assert f"got {head_dim}" in refusal
@@ -250,19 +252,24 @@ def test_valid_paged_calls_pass_every_check_before_the_device_check(page_size, b
                                                page_table=page_table, validate="full")
 
 
-@pytest.mark.parametrize("change,refused", [
-    (None, False),
-    ("other_strides", True),
-    ("head_dim_64", True),
-    ("block_64", True),
-    ("missed_mask_lists", True),
-    ("other_dtype", True),
+@pytest.mark.parametrize("change,refused_by", [
+    (None, None),
+    ("other_strides", "layout"),
+    ("head_dim_64", "fa2"),  # 128-key blocks below the 256-key tile at head dim 64
+    ("block_64", "fa2"),
+    ("missed_mask_lists", "layout"),
+    ("other_dtype", "layout"),
 ])
-def test_speculative_one_launch_conditions(change, refused):
-    """Which speculative calls run as one launch over both K/V sources: the conditions
-    mha_fwd_sparse checks for a mask-block source (the call falls back to two passes, which
-    refuses bad input itself)."""
-    from flash_attn_sparse.speculative import _one_launch_refusal
+def test_speculative_one_launch_conditions(monkeypatch, change, refused_by):
+    """Which speculative calls run as one launch over both K/V sources: the layout the form needs
+    (speculative._one_launch_refusal), then a backend that takes the second source (fa2.refusal:
+    blocks of at least one kernel tile, as mha_fwd_sparse checks). Otherwise two passes run,
+    which refuse bad input themselves."""
+    from flash_attn_sparse import calls
+    from flash_attn_sparse.backends import fa2
+    from flash_attn_sparse.options import CallOptions
+    from flash_attn_sparse.speculative import _every_block_of, _one_launch_refusal
+    monkeypatch.setattr(calls, "require_cuda", lambda q: None)
     q, k, v = qkv(dim=64 if change == "head_dim_64" else 128)
     k_spec, v_spec = k[:, :256].contiguous(), v[:, :256].contiguous()
     missed = SparseBlocks.from_block_table(table(1, 3), 64 if change == "block_64" else BS, B,
@@ -272,7 +279,11 @@ def test_speculative_one_launch_conditions(change, refused):
     if change == "other_dtype":
         k_spec = k_spec.half()
     reason = _one_launch_refusal(q, k_spec, v_spec, k, v, missed)
-    assert (reason is not None) == refused, reason
+    assert (reason is not None) == (refused_by == "layout"), reason
+    if reason is None:
+        call = calls.SparseCall(q, k, v, missed, CallOptions(backend="fa2"))
+        call.use_mask_lists(_every_block_of(k_spec, B, "mask", missed.block_size), source=(k_spec, v_spec))
+        assert (fa2.refusal(call) is not None) == (refused_by == "fa2")
 
 
 @pytest.mark.parametrize("entry, positional", [

@@ -9,10 +9,11 @@ from typing import Optional, Tuple, Union
 import torch
 from torch import Tensor
 
-from . import ops
 from .backends import BACKENDS
 from .backends.device import MAX_SPLITS
+from .backends.fa2_ops import head_dim_refusal
 from .metadata import BLOCK_SIZES, SparseBlocks, cdiv, exhaustive_validation_requested, fail, validate_block_contents, validate_blocks
+from .options import CallOptions
 
 BlockTable = Union[Tensor, SparseBlocks]
 BACKEND_NAMES = ("auto",) + tuple(BACKENDS)
@@ -34,7 +35,7 @@ def _check_qkv(q: Tensor, k: Tensor, v: Tensor, varlen: bool, paged: bool = Fals
     if k.shape != v.shape:
         fail("v", f"must have the shape of k {tuple(k.shape)}, got {tuple(v.shape)}")
     head_dim, heads, heads_k = q.shape[-1], q.shape[-2], k.shape[-2]
-    if refusal := ops.head_dim_refusal(head_dim, check_build=False):  # the FA-2 build's head dims: op_args
+    if refusal := head_dim_refusal(head_dim, check_build=False):  # the FA-2 build's head dims: op_args
         fail("q", refusal)
     if k.shape[-1] != head_dim:
         fail("k", f"head_dim must be q's {head_dim}, got {k.shape[-1]}")
@@ -159,19 +160,29 @@ def check_out(out: Optional[Tensor], q: Tensor) -> None:
 TENSOR_FIELDS = ("q", "k", "v", "blocks", "cu_seqlens_q", "cu_seqlens_k", "seqused_k", "page_table")
 
 
+def facts(t) -> tuple:
+    """A tensor's identity facts (what a plan or the one-shot cache compares): shape, strides, dtype, device."""
+    if not isinstance(t, Tensor):
+        return None if t is None else (type(t),)
+    return t.shape, t.stride(), t.dtype, t.device
+
+
 class SparseCall:
     """One validated sparse forward: every argument check of the entry points, and the shapes the
     backends decide from (nothing here launches or syncs, unless validate="full" asks)."""
 
-    def __init__(self, q, k, v, blocks: SparseBlocks, *, causal: bool, softmax_scale, num_splits: int = 0,
-                 cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None, seqused_k=None, page_table=None,
-                 validate=None, table_name="sparse_block_table", backend="fa2"):
+    def __init__(self, q, k, v, blocks: SparseBlocks, options: CallOptions, *, cu_seqlens_q=None, cu_seqlens_k=None,
+                 max_seqlen_q=None, max_seqlen_k=None, seqused_k=None, page_table=None, table_name="sparse_block_table"):
         varlen = cu_seqlens_q is not None or cu_seqlens_k is not None
-        if backend not in BACKEND_NAMES:
-            fail("backend", f"must be one of {BACKEND_NAMES}, got {backend!r}")
-        self.requested_backend = backend
-        check_num_splits(num_splits)
-        self.requested_splits = num_splits
+        if not isinstance(options, CallOptions):
+            raise TypeError(f"SparseCall takes its options as CallOptions, got {type(options).__name__}")
+        causal, validate = options.causal, options.validate
+        if options.backend not in BACKEND_NAMES:
+            fail("backend", f"must be one of {BACKEND_NAMES}, got {options.backend!r}")
+        self.options = options
+        self.requested_backend = options.backend
+        check_num_splits(options.num_splits)
+        self.requested_splits = options.num_splits
         q, k, v = _check_qkv(q, k, v, varlen, paged=page_table is not None)
         if varlen:
             for name, t in (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k)):
@@ -214,7 +225,7 @@ class SparseCall:
             if seqused_k is not None:
                 seqlens_k = seqused_k.tolist()
             validate_block_contents(blocks, causal=causal, seqlens_q=seqlens_q, seqlens_k=seqlens_k)
-        self.scale = resolve_scale(softmax_scale, q.shape[-1])
+        self.scale = resolve_scale(options.softmax_scale, q.shape[-1])
         require_cuda(q)  # last, so that every other check also runs (and is tested) on CPU tensors
         self.q, self.k, self.v, self.blocks = q, k, v, blocks
         self.batch, self.varlen = batch, varlen

@@ -8,65 +8,60 @@ from typing import Optional, Sequence, Tuple
 import torch
 from torch import Tensor
 
-from . import ops
-from .backends import BACKENDS, fa2
+from .backends import BACKENDS
 from .backends.device import MAX_SPLITS
-from .calls import TENSOR_FIELDS, BlockTable, SparseCall, as_blocks, broadcast_batch, check_out
+from .backends.fa2_ops import combine, head_dim_refusal, head_dim_rounded, partial_buffers
+from .calls import BlockTable, SparseCall, as_blocks, broadcast_batch, check_out, facts
 from .metadata import SparseBlocks, exhaustive_validation_requested, fail
+from .options import CallOptions
 from .routing import choose
 
 logger = logging.getLogger("flash_attn_sparse")
 
 
 class Decision:
-    """What planning a call decides: the validated call (its tensors dropped when cached), the
-    backend and its split count."""
+    """What planning a call decides: its backend (and why) and the split count."""
 
     def __init__(self, call: SparseCall):
         self.backend, self.why = choose(call)
         self.num_splits = BACKENDS[self.backend].num_splits(call)
-        self.call = call
-        self._launch = None
 
-    def run(self, call: SparseCall, out: Optional[Tensor] = None) -> Tuple[Tensor, Tensor]:
+    def log(self) -> None:
         if not torch.compiler.is_compiling() and logger.isEnabledFor(logging.DEBUG):
             logger.debug("sparse forward on %s (%s)", self.backend, self.why)
-        return BACKENDS[self.backend].run(call, self.num_splits, out)
-
-    def bind(self, call: SparseCall, q: Tensor, k: Tensor, v: Tensor, blocks: SparseBlocks,
-             out: Optional[Tensor] = None) -> None:
-        """Prepares launch() for calls like `call` (validated from the caller's q, k, v, blocks,
-        into outs like `out`) and drops the call's tensors: the backend's launcher if it has one,
-        and what the call changed of the caller's tensors (a contiguous copy, batch-broadcast lists)."""
-        launcher = getattr(BACKENDS[self.backend], "launcher", None)
-        self._launch = launcher(call, self.num_splits, out=out) if launcher is not None else None
-        self._contiguous = call.q is not q or call.k is not k or call.v is not v
-        self._broadcast = not call.varlen and call.blocks is not blocks
-        self.call = call.rebind(**dict.fromkeys(TENSOR_FIELDS))  # keep no caller's tensor alive
-
-    def launch(self, q, k, v, blocks: SparseBlocks, out: Optional[Tensor], tensors: dict) -> Tuple[Tensor, Tensor]:
-        """The bound forward over tensors of the facts bind() saw (the caller has compared them)."""
-        if self._contiguous:
-            q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
-        if self._broadcast:
-            blocks = broadcast_batch(blocks, self.call.batch)
-        if self._launch is None:
-            return self.run(self.call.rebind(q=q, k=k, v=v, blocks=blocks, **tensors), out)
-        if logger.isEnabledFor(logging.DEBUG):
-            logger.debug("sparse forward on %s (%s)", self.backend, self.why)
-        return self._launch(q, k, v, blocks, out, **tensors)
 
 
 def run(call: SparseCall, out: Optional[Tensor] = None) -> Tuple[Tensor, Tensor]:
-    """Routes and runs one validated call (no cache: the speculative forms build theirs)."""
-    return Decision(call).run(call, out)
+    """Routes and runs one validated call through its backend's traceable path (no cache)."""
+    decision = Decision(call)
+    decision.log()
+    return BACKENDS[decision.backend].run(call, decision.num_splits, out)
 
 
-def facts(t) -> tuple:
-    """A tensor's identity facts (what a plan or the cache compares): shape, strides, dtype, device."""
-    if not isinstance(t, Tensor):
-        return None if t is None else (type(t),)
-    return t.shape, t.stride(), t.dtype, t.device
+class _CachedCall:
+    """A one-shot call's plan, kept by the cache: the decision, the backend's Planned (holding no
+    buffer between calls) and what validation changed of the caller's tensors (a contiguous copy,
+    batch-broadcast lists), to do again for tensors of the same facts."""
+
+    def __init__(self, call: SparseCall, q: Tensor, k: Tensor, v: Tensor, blocks: SparseBlocks, out: Optional[Tensor]):
+        self.decision = Decision(call)
+        self.planned = BACKENDS[self.decision.backend].plan(call, self.decision.num_splits, out, keep_buffers=False)
+        self.contiguous = call.q is not q or call.k is not k or call.v is not v
+        self.batch = call.batch if not call.varlen and call.blocks is not blocks else None
+
+    def run(self, q, k, v, blocks: SparseBlocks, out: Optional[Tensor], tensors: dict) -> Tuple[Tensor, Tensor]:
+        if self.contiguous:
+            q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
+        if self.batch is not None:
+            blocks = broadcast_batch(blocks, self.batch)
+        if logger.isEnabledFor(logging.DEBUG):
+            self.decision.log()
+        return self.planned.run_with(q, k, v, out, blocks, tensors)
+
+
+def partials_backend():
+    """The backend that writes fp32 (O, LSE) partials (the protocol's run_partial): FA-2's kernels."""
+    return next(backend for backend in BACKENDS.values() if hasattr(backend, "run_partial"))
 
 
 def blocks_facts(b: SparseBlocks) -> tuple:
@@ -77,54 +72,55 @@ def blocks_facts(b: SparseBlocks) -> tuple:
             None if cu_m is None else facts(cu_m), None if cu_offsets is None else facts(cu_offsets))
 
 
-def cache_key(q: Tensor, k: Tensor, v: Tensor, out: Optional[Tensor], blocks: SparseBlocks, options: tuple,
-              cu_seqlens_q, cu_seqlens_k, seqused_k, page_table) -> tuple:
+def cache_key(q: Tensor, k: Tensor, v: Tensor, out: Optional[Tensor], blocks: SparseBlocks, options: CallOptions,
+              cu_seqlens_q, cu_seqlens_k, seqused_k, page_table, max_seqlens) -> tuple:
     """The one-shot cache's key: the facts of every tensor of the call (out's too) and the
-    options, never their data. Written out flat, q, k and v inline: it runs on every cached call
-    (the facts() form cost 11 us on the 2-core development machine, this one about half)."""
+    options, never their data. Written out flat, q, k and v inline: it runs on every cached call."""
     return (q.shape, q.stride(), q.dtype, q.device, k.shape, k.stride(), k.dtype, k.device,
             v.shape, v.stride(), v.dtype, v.device, None if out is None else facts(out), blocks_facts(blocks), options,
             None if cu_seqlens_q is None else facts(cu_seqlens_q), None if cu_seqlens_k is None else facts(cu_seqlens_k),
-            None if seqused_k is None else facts(seqused_k), None if page_table is None else facts(page_table))
+            None if seqused_k is None else facts(seqused_k), None if page_table is None else facts(page_table), max_seqlens)
 
 
 CACHE_SIZE = 64
-# A plain dict, oldest entry evicted first: an LRU's move_to_end would hash the key a second time
-# on every hit (about 1 us of the cached call's Python on the 2-core development machine).
-_decisions: "dict[tuple, Decision]" = {}
+# The one-shot cache: a plain dict, oldest entry evicted first (an LRU's move_to_end would hash the
+# key a second time on every hit). Its entries hold no caller's tensor.
+one_shot_cache: "dict[tuple, _CachedCall]" = {}
 
 
-def run_cached(q, k, v, blocks: SparseBlocks, out: Optional[Tensor], validate: Optional[str], *,
+def run_cached(q, k, v, blocks: SparseBlocks, out: Optional[Tensor], options: CallOptions, *,
                cu_seqlens_q: Optional[Tensor] = None, cu_seqlens_k: Optional[Tensor] = None,
+               max_seqlen_q: Optional[int] = None, max_seqlen_k: Optional[int] = None,
                seqused_k: Optional[Tensor] = None, page_table: Optional[Tensor] = None,
-               **options) -> Tuple[Tensor, Tensor]:
-    """The one-shot forward through a cache of decisions keyed on the tensors' facts (out's too)
-    and the options (never their data): a repeated shape skips validation, routing, the split
-    choice and the argument building, and launches through the backend's launcher. Calls that
-    ask for exhaustive validation, are traced, or pass odd inputs are not cached."""
+               table_name: str = "sparse_block_table") -> Tuple[Tensor, Tensor]:
+    """The one-shot forward through a cache of plans keyed on the tensors' facts (out's too) and
+    the options (never their data): a repeated shape skips validation, routing, the split choice
+    and the argument building, and launches through its Planned.run_with. Calls that ask for
+    exhaustive validation, are traced, or pass odd inputs are not cached."""
     tensors = dict(cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, seqused_k=seqused_k, page_table=page_table)
+    shapes = dict(max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, table_name=table_name)
     cacheable = (isinstance(q, Tensor) and isinstance(k, Tensor) and isinstance(v, Tensor)
                  and isinstance(blocks, SparseBlocks)
                  and (cu_seqlens_q is None or isinstance(cu_seqlens_q, Tensor))
                  and (cu_seqlens_k is None or isinstance(cu_seqlens_k, Tensor))
                  and (seqused_k is None or isinstance(seqused_k, Tensor))
                  and (page_table is None or isinstance(page_table, Tensor))
-                 and not torch.compiler.is_compiling() and not exhaustive_validation_requested(validate))
+                 and not torch.compiler.is_compiling() and not exhaustive_validation_requested(options.validate))
     if not cacheable:
-        call = SparseCall(q, k, v, blocks, validate=validate, **tensors, **options)
+        call = SparseCall(q, k, v, blocks, options, **tensors, **shapes)
         check_out(out, call.q)
         return run(call, out)
-    key = cache_key(q, k, v, out, blocks, tuple(options.items()), cu_seqlens_q, cu_seqlens_k, seqused_k, page_table)
-    decision = _decisions.get(key)
-    if decision is None:
-        call = SparseCall(q, k, v, blocks, **tensors, **options)
+    key = cache_key(q, k, v, out, blocks, options, cu_seqlens_q, cu_seqlens_k, seqused_k, page_table,
+                    (max_seqlen_q, max_seqlen_k))
+    cached = one_shot_cache.get(key)
+    if cached is None:
+        call = SparseCall(q, k, v, blocks, options, **tensors, **shapes)
         check_out(out, call.q)
-        decision = Decision(call)
-        decision.bind(call, q, k, v, blocks, out)
-        if len(_decisions) >= CACHE_SIZE:
-            del _decisions[next(iter(_decisions))]
-        _decisions[key] = decision
-    return decision.launch(q, k, v, blocks, out, tensors)
+        cached = _CachedCall(call, q, k, v, blocks, out)
+        if len(one_shot_cache) >= CACHE_SIZE:
+            del one_shot_cache[next(iter(one_shot_cache))]
+        one_shot_cache[key] = cached
+    return cached.run(q, k, v, blocks, out, tensors)
 
 
 def flash_attn_with_sparse_block_table(q: Tensor, k: Tensor, v: Tensor, sparse_block_table: BlockTable, *,
@@ -161,8 +157,9 @@ def flash_attn_with_sparse_block_table(q: Tensor, k: Tensor, v: Tensor, sparse_b
     """
     blocks = as_blocks(sparse_block_table, block_size, q.shape[0] if isinstance(q, Tensor) and q.dim() == 4 else 1,
                         "sparse_block_table")
-    return run_cached(q, k, v, blocks, out, validate, causal=causal, softmax_scale=softmax_scale,
-                      num_splits=num_splits, backend=backend, seqused_k=seqused_k, page_table=page_table)
+    options = CallOptions(causal=causal, softmax_scale=softmax_scale, num_splits=num_splits, backend=backend,
+                          validate=validate)
+    return run_cached(q, k, v, blocks, out, options, seqused_k=seqused_k, page_table=page_table)
 
 
 def flash_attn_varlen_with_sparse_blocks(q: Tensor, k: Tensor, v: Tensor, blocks: SparseBlocks, *, cu_seqlens_q: Tensor,
@@ -178,19 +175,21 @@ def flash_attn_varlen_with_sparse_blocks(q: Tensor, k: Tensor, v: Tensor, blocks
     keys (its logical positions 0..n-1); max_seqlen_k <= max_pages * page_size (the engine-shaped
     call: ragged queries, a paged cache, sparse lists and out= in one call; FA-2 backend).
     backend and out as in flash_attn_with_sparse_block_table."""
-    return run_cached(q, k, v, blocks, out, validate, causal=causal, softmax_scale=softmax_scale,
-                      num_splits=num_splits, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
+    options = CallOptions(causal=causal, softmax_scale=softmax_scale, num_splits=num_splits, backend=backend,
+                          validate=validate)
+    return run_cached(q, k, v, blocks, out, options, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
                       max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, seqused_k=seqused_k,
-                      page_table=page_table, table_name="blocks", backend=backend)
+                      page_table=page_table, table_name="blocks")
 
 
 def _call_to_choose_for(q, k, v, blocks: BlockTable, block_size: int, *, causal: bool = False,
-                        softmax_scale: Optional[float] = None, **options) -> SparseCall:
-    """The _Call that flash_attn_with_sparse_block_table, or with cu_seqlens_q in options
+                        softmax_scale: Optional[float] = None, num_splits: int = 0, backend: str = "auto",
+                        **tensors) -> SparseCall:
+    """The call that flash_attn_with_sparse_block_table, or with cu_seqlens_q in tensors
     flash_attn_varlen_with_sparse_blocks, would make: what the choose_* functions ask."""
-    batch = q.shape[0] if isinstance(q, Tensor) and q.dim() == 4 and "cu_seqlens_q" not in options else 1
-    return SparseCall(q, k, v, as_blocks(blocks, block_size, batch, "blocks"), causal=causal, softmax_scale=softmax_scale,
-                 **options)
+    batch = q.shape[0] if isinstance(q, Tensor) and q.dim() == 4 and "cu_seqlens_q" not in tensors else 1
+    options = CallOptions(causal=causal, softmax_scale=softmax_scale, num_splits=num_splits, backend=backend)
+    return SparseCall(q, k, v, as_blocks(blocks, block_size, batch, "blocks"), options, **tensors)
 
 
 def choose_num_splits_for(q: Tensor, k: Tensor, v: Tensor, blocks: BlockTable, *, block_size: int = 128,
@@ -226,15 +225,15 @@ def flash_attn_sparse_partials(q: Tensor, k: Tensor, v: Tensor, block_groups: Se
         fail("block_groups", "must be a non-empty list of block tables")
     if len(block_groups) > MAX_SPLITS:
         fail("block_groups", f"at most {MAX_SPLITS} groups, got {len(block_groups)}")
+    options = CallOptions(causal=causal, softmax_scale=softmax_scale, backend="fa2", validate=validate)
     calls = [SparseCall(q, k, v, as_blocks(g, block_size, q.shape[0] if q.dim() == 4 else 1, f"block_groups[{i}]"),
-                   causal=causal, softmax_scale=softmax_scale, validate=validate, table_name=f"block_groups[{i}]",
-                   seqused_k=seqused_k, page_table=page_table)
+                        options, table_name=f"block_groups[{i}]", seqused_k=seqused_k, page_table=page_table)
              for i, g in enumerate(block_groups)]
     first = calls[0]
-    out_partial, lse_partial = ops.partial_buffers(len(calls), first.batch, first.q.shape[2], first.max_seqlen_q,
+    out_partial, lse_partial = partial_buffers(len(calls), first.batch, first.q.shape[2], first.max_seqlen_q,
                                                    first.q.shape[3], first.q.device)
     for slot, call in enumerate(calls):
-        fa2.run_partial(call, out_partial, lse_partial, slot, 1)
+        partials_backend().run_partial(call, out_partial, lse_partial, slot, 1)
     return out_partial, lse_partial
 
 
@@ -256,11 +255,11 @@ def flash_attn_combine(out_partials: Tensor, lse_partials: Tensor, out_dtype: to
     if out_dtype not in (torch.float16, torch.bfloat16):
         fail("out_dtype", f"must be float16 or bfloat16, got {out_dtype}")
     head_dim = out_partials.shape[-1] if head_dim is None else head_dim
-    if ops.head_dim_rounded(head_dim) != out_partials.shape[-1]:
+    if head_dim_rounded(head_dim) != out_partials.shape[-1]:
         fail("head_dim", f"{head_dim} does not round to the partials' last dim {out_partials.shape[-1]}")
     for name, t in (("out_partials", out_partials), ("lse_partials", lse_partials)):
         if t.device.type != "cuda":
             fail(name, f"must be on a CUDA device, got {t.device}")
-    if refusal := ops.head_dim_refusal(head_dim):
+    if refusal := head_dim_refusal(head_dim):
         fail("head_dim", refusal)
-    return ops.combine(out_partials.contiguous(), lse_partials.contiguous(), out_dtype, head_dim, None, 0)
+    return combine(out_partials.contiguous(), lse_partials.contiguous(), out_dtype, head_dim, None, 0)

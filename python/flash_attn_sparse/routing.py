@@ -18,7 +18,7 @@ import torch
 
 from .backends import BACKENDS
 from .calls import SparseCall
-from .metadata import fail
+from .metadata import SparseInputError, fail
 
 FA3_MIN_QUERY_ROWS = 128  # one FA-3 tile of query rows per sequence: prefill-shaped
 FA3_MIN_PACKED_ROWS = 32  # fewer packed rows per tile: fa2's 16-row decode tiles are as fast or faster
@@ -33,7 +33,20 @@ def choose(call: SparseCall) -> Tuple[str, str]:
             fail("backend", f"'{name}' cannot run this call: {reason}")
         return name, "requested"
     reason = fa3_reason(call)
-    return ("fa3", reason) if reason else ("fa2", "every call FA-3 does not take (auto's rule)")
+    if reason:
+        return "fa3", reason
+    if refusal := BACKENDS["fa2"].refusal(call):
+        fail("backend", f"no backend runs this call: 'fa2' cannot: {refusal}")
+    return "fa2", "every call FA-3 does not take (auto's rule)"
+
+
+def runs_somewhere(call: SparseCall) -> bool:
+    """Whether choose(call) finds a backend (the requested one, or auto's)."""
+    try:
+        choose(call)
+    except SparseInputError:
+        return False
+    return True
 
 
 def fa3_reason(call: SparseCall) -> Optional[str]:

@@ -6,13 +6,13 @@ from typing import Optional, Tuple
 import torch
 from torch import Tensor
 
-from . import ops
-from .backends import fa2
 from .backends.device import MAX_SPLITS
+from .backends.fa2_ops import combine, head_dim_rounded, partial_buffers
 from .calls import BlockTable, SparseCall, as_blocks, check_out
-from .interface import run
+from .interface import partials_backend, run
 from .metadata import SparseBlocks, cdiv, exhaustive_validation_requested, fail, int_range, validate_block_contents
-from .routing import choose
+from .options import CallOptions
+from .routing import choose, runs_somewhere
 
 # Query rows from which the missed pass on FA-4 runs the prefill form (both passes, merged).
 FA4_PREFILL_QUERY_ROWS = 128
@@ -20,17 +20,15 @@ FA4_PREFILL_QUERY_ROWS = 128
 
 def _one_launch_refusal(q: Tensor, k_spec, v_spec, k: Tensor, v: Tensor, missed: SparseBlocks,
                         paged: bool = False) -> Optional[str]:
-    """Why the speculative call cannot run as one launch over both sources (None if it can).
-    The same conditions as mha_fwd_sparse's checks of a mask-block source; the two-pass form
-    runs otherwise (and reports bad input)."""
+    """Why the speculative call's layout rules out one launch over both sources (None if it does
+    not; the backends' refusals then say whether one takes it). The two-pass form runs otherwise
+    (and reports bad input)."""
     if paged:
         return "paged k and v (the kernel pages every tile alike)"
     if not all(isinstance(t, Tensor) and t.dim() == 4 for t in (q, k_spec, v_spec, k, v)):
         return "not batched 4-D tensors"
     if missed.is_varlen or missed.mask_cnt is not None:
         return "the missed set has mask lists or the varlen layout"
-    if missed.block_size < fa2.tile_n(q.shape[-1], decode=False):
-        return f"block size {missed.block_size} is below the kernel tile at head dim {q.shape[-1]}"
     for t in (k_spec, v_spec):
         if t.dtype != q.dtype or t.device != q.device or t.shape[0] != q.shape[0] or t.shape[2:] != k.shape[2:] or t.shape[1] == 0:
             return "k_spec / v_spec differ from k / v in dtype, device, batch, heads or head dim, or are empty"
@@ -56,12 +54,12 @@ def flash_attn_speculative_sparse(q: Tensor, k_spec: Tensor, v_spec: Tensor, k: 
 
     With backend="fa4" at prefill (seqlen_q >= 128), the missed pass runs there over every
     row, and the speculative pass only over the rows that see a speculative key (with
-    causal_spec, the last seqlen_spec rows), merged into those rows. Otherwise, where the kernels
-    allow (see _one_launch_refusal: k_spec/v_spec strided like k/v, a block size of at least one
-    kernel tile, no mask lists in the missed set), one launch on the missed pass's backend: the
+    causal_spec, the last seqlen_spec rows), merged into those rows. Otherwise, where the layout
+    allows (see _one_launch_refusal: k_spec/v_spec strided like k/v, no mask lists in the missed
+    set) and a backend takes it (FA-2: a block size of at least one kernel tile), one launch: the
     missed blocks are the call's "full" blocks and the speculative ones its "mask" blocks, read
-    from k_spec / v_spec. Otherwise two passes write fp32 partials into one buffer and the sparse
-    combine kernel merges them (on FA-4: the prefill form). The same attention every way.
+    from k_spec / v_spec. Otherwise two passes write fp32 partials into one buffer (FA-2's
+    kernels) and the sparse combine kernel merges them. The same attention every way.
     out: as in flash_attn_with_sparse_block_table (written in place by the one-launch form on
     FA-2, filled by a copy otherwise)."""
     batch = q.shape[0] if isinstance(q, Tensor) and q.dim() == 4 else 1
@@ -71,8 +69,9 @@ def flash_attn_speculative_sparse(q: Tensor, k_spec: Tensor, v_spec: Tensor, k: 
     if not isinstance(causal_spec, bool):
         fail("causal_spec", f"must be a bool, got {causal_spec!r}")
     # Missed blocks are all visible, so the missed pass is not causal (and is validated so).
-    missed_call = SparseCall(q, k, v, missed, causal=False, softmax_scale=softmax_scale, num_splits=num_splits,
-                        validate=validate, seqused_k=seqused_k, page_table=page_table, backend=backend)
+    missed_call = SparseCall(q, k, v, missed, CallOptions(causal=False, softmax_scale=softmax_scale, num_splits=num_splits,
+                                                          backend=backend, validate=validate),
+                             seqused_k=seqused_k, page_table=page_table)
     check_out(out, missed_call.q)
     # At prefill on FA-4 the speculative pass runs over the rows that see k_spec only (faster than
     # one pass over the union there); elsewhere one launch, on the backend the missed pass takes
@@ -85,20 +84,24 @@ def flash_attn_speculative_sparse(q: Tensor, k_spec: Tensor, v_spec: Tensor, k: 
     if one_launch:
         # "mask" blocks whatever causal_spec: they name the second source; the flag masks them.
         spec = _every_block_of(k_spec, batch, "mask", missed.block_size)
-        missed_call.use_mask_lists(spec, source=(k_spec, v_spec), causal=causal_spec)
-        return run(missed_call, out)
+        one_launch_call = missed_call.rebind()
+        one_launch_call.use_mask_lists(spec, source=(k_spec, v_spec), causal=causal_spec)
+        if runs_somewhere(one_launch_call):
+            return run(one_launch_call, out)
     spec_blocks = _every_block_of(k_spec, batch, "mask" if causal_spec else "full")
-    spec_call = SparseCall(q, k_spec, v_spec, spec_blocks, causal=causal_spec, softmax_scale=softmax_scale,
-                      num_splits=num_splits, validate=validate, table_name="k_spec")
-    spec_splits = fa2.num_splits(spec_call)
-    missed_splits = fa2.num_splits(missed_call)
+    spec_call = SparseCall(q, k_spec, v_spec, spec_blocks, CallOptions(causal=causal_spec, softmax_scale=softmax_scale,
+                                                                       num_splits=num_splits, validate=validate),
+                           table_name="k_spec")
+    partials = partials_backend()
+    spec_splits = partials.num_splits(spec_call)
+    missed_splits = partials.num_splits(missed_call)
     if spec_splits + missed_splits > MAX_SPLITS:
         spec_splits, missed_splits = min(spec_splits, MAX_SPLITS // 2), min(missed_splits, MAX_SPLITS // 2)
-    out_partial, lse_partial = ops.partial_buffers(spec_splits + missed_splits, spec_call.batch, q.shape[2],
-                                                   q.shape[1], q.shape[3], q.device)
-    fa2.run_partial(spec_call, out_partial, lse_partial, 0, spec_splits)
-    fa2.run_partial(missed_call, out_partial, lse_partial, spec_splits, missed_splits)
-    return _into(out, ops.combine(out_partial, lse_partial, q.dtype, q.shape[3], None, 0))
+    out_partial, lse_partial = partial_buffers(spec_splits + missed_splits, spec_call.batch, q.shape[2],
+                                               q.shape[1], q.shape[3], q.device)
+    partials.run_partial(spec_call, out_partial, lse_partial, 0, spec_splits)
+    partials.run_partial(missed_call, out_partial, lse_partial, spec_splits, missed_splits)
+    return _into(out, combine(out_partial, lse_partial, q.dtype, q.shape[3], None, 0))
 
 
 def _into(out: Optional[Tensor], result: Tuple[Tensor, Tensor]) -> Tuple[Tensor, Tensor]:
@@ -129,16 +132,17 @@ def _speculative_over_missed_on_fa4(missed_call: SparseCall, k_spec: Tensor, v_s
     if rows == 0:
         return out, lse
     spec_blocks = _every_block_of(k_spec, batch, "mask" if causal_spec else "full")
-    spec_call = SparseCall(q[:, seqlen_q - rows:], k_spec, v_spec, spec_blocks, causal=causal_spec,
-                      softmax_scale=missed_call.scale, validate=validate, table_name="k_spec", backend=backend)
+    spec_call = SparseCall(q[:, seqlen_q - rows:], k_spec, v_spec, spec_blocks,
+                           CallOptions(causal=causal_spec, softmax_scale=missed_call.scale, backend=backend, validate=validate),
+                           table_name="k_spec")
     out_spec, lse_spec = run(spec_call)
     # Both partials of those rows as the combine's fp32 (2, b, h, rows, d_rounded) and (2, b, h, rows).
     head_dim = q.shape[-1]
     parts = torch.stack((out[:, seqlen_q - rows:], out_spec)).transpose(2, 3).float()
-    pad = ops.head_dim_rounded(head_dim) - head_dim
+    pad = head_dim_rounded(head_dim) - head_dim
     parts = torch.nn.functional.pad(parts, (0, pad)) if pad else parts
     lses = torch.stack((lse[:, :, seqlen_q - rows:], lse_spec))
-    merged, merged_lse = ops.combine(parts.contiguous(), lses.contiguous(), q.dtype, head_dim, None, 0)
+    merged, merged_lse = combine(parts.contiguous(), lses.contiguous(), q.dtype, head_dim, None, 0)
     out[:, seqlen_q - rows:] = merged
     lse[:, :, seqlen_q - rows:] = merged_lse
     return out, lse
@@ -164,8 +168,8 @@ def flash_attn_speculative_sparse_zero_copy(q: Tensor, k: Tensor, v: Tensor, spe
             fail(name, f"must be on the device of q ({q.device}), got {t.device}")
     spec = SparseBlocks.from_block_table(spec_block_table, block_size, batch, kind="mask")
     missed = SparseBlocks.from_block_table(missed_block_table, block_size, batch)
-    call = SparseCall(q, k, v, missed, causal=causal_spec, softmax_scale=softmax_scale, num_splits=num_splits,
-                 validate=validate, backend=backend)
+    call = SparseCall(q, k, v, missed, CallOptions(causal=causal_spec, softmax_scale=softmax_scale, num_splits=num_splits,
+                                                   backend=backend, validate=validate))
     if exhaustive_validation_requested(validate):  # the two lists together: ids in range, no block twice
         n = max(spec_block_table.shape[0], missed_block_table.shape[0])
         pad = lambda t: torch.nn.functional.pad(t, (0, n - t.shape[0])).view(1, 1, 1, n).expand(batch, 1, 1, n)

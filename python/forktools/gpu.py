@@ -492,6 +492,7 @@ def add_parser(commands) -> None:
     command.add_argument("--bench-methods", help="bench/fullbench methods, comma-separated")
     command.add_argument("--no-profile-ncu", action="store_true", help="profile step without ncu")
     command.add_argument("--sweep-args", default="", help="extra profile_decode.py --split-sweep arguments")
+    command.add_argument("--gqa-args", default="", help="extra benchmarks/bench_gqa.py arguments (e.g. \"--batches 1,8\")")
     command.add_argument("--variant", dest="variants", action="append", type=Path, metavar="DIFF",
                          help="variants step: a diff made by `forktools variant` (repeatable)")
     command.add_argument("--variant-tests", default="all", metavar="NAMES",

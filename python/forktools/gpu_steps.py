@@ -66,6 +66,26 @@ def build_mutant(session, name: str, diff: Path) -> Path | None:
     return site
 
 
+GQA_MUTATION = Path("tests/mutations/packed-row-head-ignores-tile-start.patch")
+
+
+def gqa_mutation(session) -> str:
+    site = build_mutant(session, "gqa-mutation", GQA_MUTATION)
+    if site is None:
+        return "gqa mutation build: FAILED"
+    result = run_pytest(session, "gqa-mutant", "tests/test_contract_gqa_gpu.py", "-k", "fa2",
+                        env={"PYTHONPATH": str(site)})
+    caught = session.last_rc == 1  # pytest's "some tests failed", not a crash or a timeout
+    session.worst_rc = 0 if caught else 1
+    return f"{result} ({'caught' if caught else 'NOT caught'}: these tests must fail)"
+
+
+def gqa_sweep(session) -> str:
+    session.run([PY, "benchmarks/bench_gqa.py", "--out", session.out, *shlex.split(session.options.gqa_args)],
+                output=session.logs / "gqa.log", timeout=600)
+    return f"gqa sweep: {'gqa.md' if (session.out / 'gqa.md').exists() else 'FAILED (see logs/gqa.log)'}"
+
+
 def mutation(session) -> str:
     site = build_mutant(session, "mutation", Path("tests/mutations/v-steps-densely.patch"))
     if site is None:
@@ -466,12 +486,6 @@ def host_time(session) -> str:
     return f"host time: {'host-time.md' if (session.out / 'host-time.md').exists() else 'FAILED (see host-time.log)'}"
 
 
-def eager_ab(session) -> str:
-    log = session.logs / "eager-ab.log"
-    session.run([PY, "benchmarks/eager_ab.py", "--out", session.out], output=log, timeout=300)
-    return f"eager A/B: {'eager-ab.md' if (session.out / 'eager-ab.md').exists() else 'FAILED (see eager-ab.log)'}"
-
-
 def host_profile(session) -> str:
     """cProfile of the one-shot call per backend (benchmarks/one_shot_profile.py), into logs/: a
     diagnostic, kept in logs.tar.gz with the other logs rather than as a result file."""
@@ -541,8 +555,10 @@ STEPS = {
     "upstream-fa3": ("upstream FA-3 hopper/test_flash_attn.py forward tests on flash_attn_3 (--upstream-fa3-k)", upstream_fa3),
     "distributed": ("the context-parallel tests on one GPU (tests/test_distributed_gpu.py)", distributed),
     "host-time": ("benchmarks/host_time.py: where plan.run's and the one-shot call's host time goes, per backend", host_time),
-    "eager-ab": ("benchmarks/eager_ab.py: backend=\"fa3\" and auto's eager FA-3 in turns, with the kernels each launches",
-                 eager_ab),
+    "gqa-sweep": ("benchmarks/bench_gqa.py: every GQA group at decode against dense FA-3 over the listed keys: gqa.md, "
+                  "gqa.json (--gqa-args)", gqa_sweep),
+    "gqa-mutation": ("build with packed rows mapped to the wrong head: the GQA contract tests on fa2 must fail",
+                     gqa_mutation),
     "host-profile": ("benchmarks/one_shot_profile.py: cProfile of the one-shot call per backend, into logs/", host_profile),
     "client-bench": ("examples/transformers_quest.py --bench at 32k, 1/8: tokens/s eager and graphed vs dense SDPA", client_bench),
 }

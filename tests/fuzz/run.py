@@ -29,7 +29,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import flash_attn_sparse as fas  # noqa: E402
-from flash_attn_sparse import SparseInputError, ops  # noqa: E402
+from flash_attn_sparse import SparseInputError  # noqa: E402
+from flash_attn_sparse.backends import fa2_ops  # noqa: E402
 from fuzz import space  # noqa: E402
 from fuzz.build import Case  # noqa: E402
 
@@ -246,7 +247,7 @@ def main(argv=None) -> int:
     if args.vary and args.only is None:
         parser.error("--vary needs --only")
     seed = args.seed if args.seed is not None else int(time.time()) % 100000
-    head_dims, _ = ops.compiled_head_dims()
+    head_dims, _ = fa2_ops.compiled_head_dims()
     head_dims = [d for d in head_dims if d <= 256]
     backends = known_backends(args.backends.split(","))
     indices = [args.only] if args.only is not None else range(args.count)

@@ -1,5 +1,5 @@
 """The FA-2 backend: this package's sparse kernels in the patched flash_attn_2_cuda (stages 3, 5),
-reached through the torch custom ops of ops.py, so calls trace under torch.compile. It runs every
+reached through the torch custom ops of fa2_ops.py, so calls trace under torch.compile. It runs every
 call that passes validation, on any GPU the wheel was built for; a head dim the build did not
 compile is refused when the arguments are made (op_args).
 
@@ -9,13 +9,13 @@ test_split_heuristics.py and tests/test_seam_parity.py hold them to the C++).
 """
 
 import math
-from typing import Callable, Optional, Tuple
+from typing import Optional, Tuple
 
 import torch
 from torch import Tensor
 
-from .. import ops
 from ..metadata import cdiv, fail
+from . import fa2_ops
 from .device import MAX_SPLITS, for_run_with, num_sms
 from .protocol import Traits
 
@@ -99,7 +99,7 @@ def split_work(call) -> Tuple[int, int, int]:
 
 def op_args(call, splits: int) -> dict:
     """The custom ops' arguments, by name; refuses a head dim this build did not compile."""
-    if refusal_of_build := ops.head_dim_refusal(call.q.shape[-1]):
+    if refusal_of_build := fa2_ops.head_dim_refusal(call.q.shape[-1]):
         fail("q", refusal_of_build)
     b = call.blocks
     mask_cnt, mask_idx = call.mask_lists or (b.mask_cnt, b.mask_idx)
@@ -116,8 +116,12 @@ def op_args(call, splits: int) -> dict:
 
 # --- the backend protocol (backends/__init__.py) ----------------------------------------------
 
-def refusal(call) -> None:
-    """FA-2 runs every validated call (a head dim outside the build is refused by op_args)."""
+def refusal(call) -> Optional[str]:
+    """FA-2 runs every validated call (a head dim outside the build is refused by op_args), but a
+    second K/V source for the mask lists (the speculative one-launch form) needs blocks of at
+    least one kernel tile, which the kernel reads from one source."""
+    if call.mask_source is not None and call.blocks.block_size < tile_n(call.q.shape[-1], decode=False):
+        return f"block size {call.blocks.block_size} is below the kernel tile at head dim {call.q.shape[-1]}"
     return None
 
 
@@ -136,39 +140,53 @@ def num_splits(call) -> int:
 def run(call, splits: int, out: Optional[Tensor] = None) -> Tuple[Tensor, Tensor]:
     """(out, lse); into `out` (checked by calls.check_out) when given."""
     if out is None:
-        return ops.sparse_fwd(**op_args(call, splits))
-    return out, ops.sparse_fwd_out(**op_args(call, splits), out=out)
+        return fa2_ops.sparse_fwd(**op_args(call, splits))
+    return out, fa2_ops.sparse_fwd_out(**op_args(call, splits), out=out)
 
 
 def run_partial(call, out_partial: Tensor, lse_partial: Tensor, offset: int, splits: int) -> None:
     """Writes `splits` fp32 partials of `call` into slots [offset, offset + splits)."""
-    ops.sparse_fwd_partial(**op_args(call, splits), out_partial=out_partial, lse_partial=lse_partial,
+    fa2_ops.sparse_fwd_partial(**op_args(call, splits), out_partial=out_partial, lse_partial=lse_partial,
                            partial_offset=offset)
 
 
-def launcher(call, splits: int, out: Optional[Tensor] = None) -> Callable:
-    """launch(q, k, v, blocks, out, **tensors) -> (out, lse): this call's forward over new tensors
-    of the same facts (shapes, strides, dtypes, devices), straight through the extension with
-    every other argument bound here once (the one-shot cache's hit path; not traceable).
-    tensors: cu_seqlens_q, cu_seqlens_k, seqused_k, page_table. Not for speculative calls (their
-    mask lists and source are the call's own). With the extension's SparseForward.run_with: planned
-    here once for outs like `out` (None: a new one per launch, like q), each launch swapping in its
-    tensors, lists included, and getting a new LSE (no checks or parameters rebuilt per call; the
-    LSE and split partials from the allocator, so no buffer is held between calls). Else through
-    the extension's sparse_fwd, which checks and allocates per call and takes any out like q."""
-    assert call.mask_lists is None and call.mask_source is None
-    extension_args = ops.extension_args(op_args(call, splits))
-    bound = {name: value for name, value in extension_args.items() if not isinstance(value, Tensor)}
-    reused = for_run_with(ops.planned_forward(extension_args, call.q, call.k, call.v,
-                                              torch.empty_like(call.q) if out is None else out))
+def plan(call, splits: int, out: Optional[Tensor], keep_buffers: bool = True) -> "Planned":
+    """This call's forward bound once (backends/protocol.py)."""
+    return Planned(call, splits, out, keep_buffers)
 
-    def launch(q, k, v, blocks, out, cu_seqlens_q=None, cu_seqlens_k=None, seqused_k=None, page_table=None):
+
+class Planned:
+    """The call's extension arguments bound once and, where the build has it, the extension's
+    SparseForward planned over them (checked once in C++; its run swaps in q, k, v and out, its
+    run_with the lists too). keep_buffers=False: run_with allocates each call's LSE and split
+    partials, so a cached plan holds no buffer between calls (the one-shot path). Without a
+    SparseForward (or for an out of other strides) the extension's sparse_fwd runs, which checks
+    and allocates per call."""
+
+    checks_facts = True
+
+    def __init__(self, call, splits: int, out: Optional[Tensor], keep_buffers: bool):
+        args = fa2_ops.extension_args(op_args(call, splits))
+        forward = fa2_ops.planned_forward(args, call.q, call.k, call.v, torch.empty_like(call.q) if out is None else out)
+        # A plan keeps its lists (the caller's, updated in place); a one-shot plan keeps no tensor.
+        self._args = (dict(args, q=None, k=None, v=None) if keep_buffers
+                      else {name: value for name, value in args.items() if not isinstance(value, Tensor)})
+        self._forward = forward if keep_buffers else for_run_with(forward)
+        self.checks_facts = forward is not None  # SparseForward compares the tensors with the planned ones
+
+    def run(self, q: Tensor, k: Tensor, v: Tensor, out: Tensor) -> Tuple[Tensor, Tensor]:
+        if self._forward is not None:
+            return out, self._forward.run(q, k, v, out)
+        return self.run_any_out(q, k, v, out)
+
+    def run_any_out(self, q: Tensor, k: Tensor, v: Tensor, out: Tensor) -> Tuple[Tensor, Tensor]:
+        return out, fa2_ops.launch_direct(dict(self._args, q=q, k=k, v=v), out)
+
+    def run_with(self, q: Tensor, k: Tensor, v: Tensor, out: Optional[Tensor], blocks, tensors: dict) -> Tuple[Tensor, Tensor]:
         if out is None:
             out = torch.empty_like(q)
         lists = dict(full_cnt=blocks.full_cnt, full_idx=blocks.full_idx, mask_cnt=blocks.mask_cnt, mask_idx=blocks.mask_idx,
-                     cu_total_m_blocks=blocks.cu_total_m_blocks, cu_block_idx_offsets=blocks.cu_block_idx_offsets,
-                     cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, seqused_k=seqused_k, page_table=page_table)
-        if reused is not None:
-            return out, reused.run_with(q=q, k=k, v=v, out=out, **lists)  # a new LSE: the caller's to keep
-        return out, ops.launch_direct(dict(bound, q=q, k=k, v=v, **lists), out)
-    return launch
+                     cu_total_m_blocks=blocks.cu_total_m_blocks, cu_block_idx_offsets=blocks.cu_block_idx_offsets, **tensors)
+        if self._forward is not None:
+            return out, self._forward.run_with(q=q, k=k, v=v, out=out, **lists)  # a new LSE: the caller's to keep
+        return out, fa2_ops.launch_direct(dict(self._args, q=q, k=k, v=v, **lists), out)

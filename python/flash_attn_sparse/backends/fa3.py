@@ -7,7 +7,7 @@ Requested with backend="fa3", or chosen by `auto` for prefill-shaped calls and p
 source for the mask lists (the speculative one-launch form), which the op does not take.
 """
 
-from typing import Callable, Optional, Tuple
+from typing import Optional, Tuple
 
 import torch
 from torch import Tensor
@@ -60,35 +60,55 @@ def _call_args(call, splits: int) -> dict:
                            call.cu_seqlens_k if varlen else None), **_bound_args(call, splits))
 
 
-def launcher(call, splits: int, out: Optional[Tensor] = None, reuse_plan: bool = True) -> Callable:
-    """launch(q, k, v, blocks, out, **tensors) -> (out, lse): this call's forward over new tensors
-    of the same facts (as fa2.launcher); eager only (the one-shot cache's hit path, and a plan's
-    run into an out of other strides). With reuse_plan and the extension's SparseForward: planned
-    here once, for an out like `out` (None: a new one per launch, like q), each launch swapping in
-    its tensors, lists included, and getting a new LSE (run_with: no checks or parameters rebuilt
-    per call; the LSE and split partials from the allocator, so no buffer is held between calls).
-    Else through the extension's fwd_into, or the op fwd_out for a build without it."""
-    bound = _bound_args(call, splits)
-    forward = fa3_ops.direct() or fa3_ops.op_out()  # both take fwd_out's arguments by name
-    reused = for_run_with(planned(call, splits, torch.empty_like(call.q) if out is None else out)) if reuse_plan else None
+def plan(call, splits: int, out: Optional[Tensor], keep_buffers: bool = True) -> "Planned":
+    """This call's forward bound once (backends/protocol.py)."""
+    return Planned(call, splits, out, keep_buffers)
 
-    def launch(q, k, v, blocks, out, cu_seqlens_q=None, cu_seqlens_k=None, seqused_k=None, page_table=None):
+
+class Planned:
+    """The call's op arguments bound once and, where the build has it, flash_attn_3._C's
+    SparseForward planned over them (checked once in C++; run swaps in q, k, v and out, run_with
+    the lists too). keep_buffers=False: run_with allocates each call's LSE and split partials (the
+    one-shot path). Otherwise, and for an out of other strides, the extension's fwd_into (or the
+    op fwd_out for a build without it) runs, which checks and allocates per call."""
+
+    checks_facts = True
+
+    def __init__(self, call, splits: int, out: Optional[Tensor], keep_buffers: bool):
+        self._bound = _bound_args(call, splits)
+        # A plan keeps its lists (the caller's, updated in place); a one-shot plan keeps no tensor.
+        self._lists = _list_args(call.effective_blocks(), call.cu_seqlens_q if call.varlen else None,
+                                 call.cu_seqlens_k if call.varlen else None) if keep_buffers else None
+        self._direct = fa3_ops.direct() or fa3_ops.op_out()  # both take fwd_out's arguments by name
+        forward = planned(call, splits, torch.empty_like(call.q) if out is None else out)
+        self._forward = forward if keep_buffers else for_run_with(forward)
+        self.checks_facts = forward is not None
+
+    def run(self, q: Tensor, k: Tensor, v: Tensor, out: Tensor) -> Tuple[Tensor, Tensor]:
+        if self._forward is not None:
+            return out, self._forward.run(q, k, v, out)
+        return self.run_any_out(q, k, v, out)
+
+    def run_any_out(self, q: Tensor, k: Tensor, v: Tensor, out: Tensor) -> Tuple[Tensor, Tensor]:
+        return out, self._direct(q=q, k=k, v=v, out=out, **self._lists, **self._bound)
+
+    def run_with(self, q: Tensor, k: Tensor, v: Tensor, out: Optional[Tensor], blocks, tensors: dict) -> Tuple[Tensor, Tensor]:
         if out is None:
             out = torch.empty_like(q)
-        if reused is not None:  # the lists by name, written out: no dict built per call
-            return out, reused.run_with(q=q, k=k, v=v, out=out, full_cnt=blocks.full_cnt, full_idx=blocks.full_idx,
-                                        mask_cnt=blocks.mask_cnt, mask_idx=blocks.mask_idx,
-                                        cu_total_m_blocks=blocks.cu_total_m_blocks,
-                                        cu_block_idx_offsets=blocks.cu_block_idx_offsets,
-                                        cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k)  # a new LSE: the caller's
-        return out, forward(q=q, k=k, v=v, out=out, **_list_args(blocks, cu_seqlens_q, cu_seqlens_k), **bound)
-    return launch
+        cu_seqlens_q, cu_seqlens_k = tensors.get("cu_seqlens_q"), tensors.get("cu_seqlens_k")
+        if self._forward is not None:  # the lists by name, written out: no dict built per call
+            return out, self._forward.run_with(q=q, k=k, v=v, out=out, full_cnt=blocks.full_cnt, full_idx=blocks.full_idx,
+                                               mask_cnt=blocks.mask_cnt, mask_idx=blocks.mask_idx,
+                                               cu_total_m_blocks=blocks.cu_total_m_blocks,
+                                               cu_block_idx_offsets=blocks.cu_block_idx_offsets,
+                                               cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k)
+        return out, self._direct(q=q, k=k, v=v, out=out, **_list_args(blocks, cu_seqlens_q, cu_seqlens_k), **self._bound)
 
 
 def planned(call, splits: int, out: Tensor, graph_launch: Optional[bool] = None):
-    """The extension's SparseForward for this call into `out`, made once (a plan's: run(q, k, v,
-    out) only launches), or None for a build without it. graph_launch (None:
-    device.GRAPH_LAUNCH): its runs after the first launch the kernels as one CUDA graph."""
+    """The extension's SparseForward for this call into `out`, or None for a build without it.
+    graph_launch (None: device.GRAPH_LAUNCH): its runs after the first launch the kernels as one
+    CUDA graph."""
     planner = fa3_ops.planner()
     if planner is None:
         return None

@@ -11,7 +11,6 @@ op's error; missing_build() says why the op cannot be called at all.
 
 from __future__ import annotations
 
-import functools
 import math
 from typing import Optional, Tuple
 
@@ -25,23 +24,35 @@ TILE_M = 128  # query rows of the tile packing and splitting are decided on (til
 HEAD_DIMS = (64, 128)  # the instantiated head dims (generate_kernels_sparse.py)
 
 
+# Answers fixed per process, in plain dicts: torch.compile traces through a functools.lru_cache
+# wrapper with a warning, and these are asked on traced calls (routing).
+_MISSING_BUILD: dict = {}
+_CAPABILITIES: dict = {}
+
+
 @torch.compiler.assume_constant_result  # an import is not traceable; the answer is fixed per process
-@functools.lru_cache(maxsize=None)
 def missing_build() -> Optional[str]:
     """None if torch.ops.flash_attn_3_sparse.fwd is callable, else why not."""
+    if "answer" not in _MISSING_BUILD:
+        _MISSING_BUILD["answer"] = _why_not_built()
+    return _MISSING_BUILD["answer"]
+
+
+def _why_not_built() -> Optional[str]:
     try:
         import flash_attn_3._C  # noqa: F401 -- loading the library registers the op
     except ImportError as error:
-        return f"flash_attn_3 is not importable ({error}); build it with `python -m forktools build`"
+        return f"flash_attn_3 is not importable ({error}); build it with `nox -s build`"
     if not hasattr(torch.ops.flash_attn_3_sparse, "fwd"):
         return "this flash_attn_3 build has no flash_attn_3_sparse.fwd (built with FLASH_ATTENTION_DISABLE_SPARSE?)"
     return None
 
 
 @torch.compiler.assume_constant_result
-@functools.lru_cache(maxsize=None)
 def _capability(device_index: int) -> Tuple[int, int]:
-    return torch.cuda.get_device_capability(device_index)
+    if device_index not in _CAPABILITIES:
+        _CAPABILITIES[device_index] = torch.cuda.get_device_capability(device_index)
+    return _CAPABILITIES[device_index]
 
 
 def _on_sm90(q: Tensor) -> bool:

@@ -252,3 +252,40 @@ def run(call, splits: int, out: Optional[Tensor] = None) -> Tuple[Tensor, Tensor
         return result, lse
     out.copy_(result)
     return out, lse
+
+
+def plan(call, splits: int, out: Optional[Tensor], keep_buffers: bool = True) -> "Planned":
+    """This call's forward bound once (backends/protocol.py)."""
+    return Planned(call, splits, keep_buffers)
+
+
+# A call's tensors (calls.TENSOR_FIELDS): what a one-shot plan drops, so that its cache keeps none alive.
+_CALL_TENSORS = ("q", "k", "v", "blocks", "cu_seqlens_q", "cu_seqlens_k", "seqused_k", "page_table")
+
+
+class Planned:
+    """A batched plan's flash-attn-4 entry point and block-sparse tensors (views of the lists)
+    made once; a varlen plan's lists are converted on each run (new tensors), as are run_with's.
+    flash-attn-4 allocates its output, so an out given is filled by a copy; flash-attn-4's own
+    Python dispatch and compile-cache lookup remain on every run."""
+
+    checks_facts = False
+
+    def __init__(self, call, splits: int, keep_buffers: bool):
+        self._splits = splits
+        self._entry = call_entry(call, splits) if keep_buffers and not call.varlen else None
+        self._call = call.rebind(**dict.fromkeys(("q", "k", "v") if keep_buffers else _CALL_TENSORS))
+
+    def run(self, q: Tensor, k: Tensor, v: Tensor, out: Optional[Tensor]) -> Tuple[Tensor, Tensor]:
+        if self._entry is None:
+            return run(self._call.rebind(q=q, k=k, v=v), self._splits, out)
+        result, lse = launch_entry(self._entry, q, k, v)
+        if out is None:
+            return result, lse
+        out.copy_(result)
+        return out, lse
+
+    run_any_out = run
+
+    def run_with(self, q: Tensor, k: Tensor, v: Tensor, out: Optional[Tensor], blocks, tensors: dict) -> Tuple[Tensor, Tensor]:
+        return run(self._call.rebind(q=q, k=k, v=v, blocks=blocks, **tensors), self._splits, out)

@@ -10,7 +10,7 @@ from typing import Optional, Tuple
 import torch
 from torch import Tensor
 
-from .backends.device import graph_launch_option
+from .device import graph_launch_option
 
 
 @functools.lru_cache(maxsize=None)  # an import statement per launch costs host time
