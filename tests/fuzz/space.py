@@ -94,7 +94,7 @@ def kernel_class(rng, head_dims=(64, 128)) -> tuple:
     """(dtype, head dim, block size, K/V heads, GQA group, causal): what selects a compiled kernel."""
     pick = lambda seq: seq[int(rng.integers(len(seq)))]
     return (pick(("bf16", "fp16")), pick(tuple(head_dims)), pick(BLOCK_SIZES), pick((1, 1, 2, 3)),
-            pick((1, 1, 2, 3, 4, 8)), bool(rng.random() < 0.5))
+            pick((1, 1, 2, 3, 4, 5, 6, 7, 8, 16)), bool(rng.random() < 0.5))
 
 
 @functools.lru_cache(maxsize=None)
