@@ -1,8 +1,8 @@
 """Where a call's host time goes, at the decode shapes of DESIGN §7 (1/16, per-K/V-head lists).
 
 For each backend present (fa2, fa3: their planned kernels launched as one CUDA graph per run,
-backends/device.GRAPH_LAUNCH, the default; fa2-direct and fa3-direct, the same with that switch off,
-each kernel launched by the runtime; fa4, and auto) and each shape it times, in one process (every figure the median of --passes whole passes over the rows, 3
+backends/device.GRAPH_LAUNCH, the default; fa2-direct and fa3-direct, the same with that switch
+off, each kernel launched by the runtime; fa4, and auto) and each shape it times, in one process (every figure the median of --passes whole passes over the rows, 3
 by default, with the one-shot's range across them):
 - `after sync`: median over 200 calls of one call started on an idle GPU, plan.run, the one-shot
   call, their parts and a lone copy taking turns call by call (a drifting host weighs on each

@@ -2,45 +2,37 @@
 
     python tests/upstream/run_upstream.py [--collect-only] [--stub] [pytest args...]
 
-Unpacks flash-attention-v2.8.3-tests.tar.gz (its sha256 checked against upstream/lock.toml's
-pin) from $FA_UPSTREAM_SHARED, ../shared/upstream or the upstream cache .cache/upstream (where
-`nox -s upstream` puts it: the GPU machine has no ../shared) into a temporary folder and runs
+Unpacks flash-attention-v2.8.3-tests.tar.gz (its git tree id checked against upstream/lock.toml's
+pin) from the upstream cache .cache/upstream (where `nox -s upstream` puts it), or the folder
+$FORKTOOLS_UPSTREAM_MIRROR names, into a temporary folder and runs
 pytest over its tests/test_flash_attn.py with the selection plugin fa2_forward_selection.py
 (which tests, and why). Prints the pass / skip / fail / deselected counts; exits with pytest's
 status.
 --stub (with --collect-only) collects without a GPU or flash_attn (collect_stubs.py).
 """
 
-import hashlib
 import os
 import re
 import subprocess
 import sys
 import tarfile
 import tempfile
-import tomllib
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent.parent
-SHARED = REPO.parent / "shared" / "upstream"
+sys.path.insert(0, str(REPO / "python"))
+from forktools import github  # noqa: E402
+
 LOCK = REPO / "upstream" / "lock.toml"
 CACHE = REPO / ".cache" / "upstream"
 ARCHIVE = "flash-attention-v2.8.3-tests.tar.gz"
 COUNTS = ("passed", "skipped", "failed", "error", "deselected")
 
 
-def expected_sha256(archive: str) -> str:
-    """The archive's sha256 as upstream/lock.toml pins it."""
-    with open(LOCK, "rb") as lock:
-        pins = [entry for entry in tomllib.load(lock).get("github", []) if entry.get("archive") == archive]
-    if not pins:
-        raise SystemExit(f"{LOCK}: no [[github]] entry for {archive}")
-    return pins[0]["sha256"]
-
-
 def find_archive() -> Path:
-    folders = [Path(os.environ["FA_UPSTREAM_SHARED"])] if os.environ.get("FA_UPSTREAM_SHARED") else [SHARED, CACHE]
+    mirror = os.environ.get("FORKTOOLS_UPSTREAM_MIRROR")
+    folders = [CACHE] + ([Path(mirror)] if mirror else [])
     for folder in folders:
         if (folder / ARCHIVE).is_file():
             return folder / ARCHIVE
@@ -48,9 +40,8 @@ def find_archive() -> Path:
 
 
 def unpack(archive: Path, into: Path) -> Path:
-    digest = hashlib.sha256(archive.read_bytes()).hexdigest()
-    if digest != expected_sha256(ARCHIVE):
-        raise SystemExit(f"{archive}: sha256 {digest} is not the one upstream/lock.toml pins")
+    pin = next(p for p in github.load(LOCK) if p.archive == ARCHIVE)
+    github.check(archive, pin)  # refuses, naming both tree ids, an archive that is not the pinned tree
     with tarfile.open(archive) as tar:
         try:
             tar.extractall(into, filter="data")
