@@ -2,14 +2,15 @@
 
 For each backend present (fa2, fa3: their planned kernels launched as one CUDA graph per run,
 backends/device.GRAPH_LAUNCH, the default; fa2-direct and fa3-direct, the same with that switch
-off, each kernel launched by the runtime; fa4, and auto) and each shape it times, in one process (every figure the median of --passes whole passes over the rows, 3
-by default, with the one-shot's range across them):
+off, each kernel launched by the runtime; fa4, and auto) and each shape it times, in one
+process (every figure the median of --passes whole passes over the rows, 3 by default, with the
+one-shot's range across them):
 - `after sync`: median over 200 calls of one call started on an idle GPU, plan.run, the one-shot
   call, their parts and a lone copy taking turns call by call (a drifting host weighs on each
   alike), and `back to back`: the mean host time of 200 calls issued without waiting (what an
   eager model's launch stream costs the CPU);
 - eager ms per call (back-to-back calls, synchronized at the end) over the graph-replay ms, the
-  ratio issue 27 bounds (one list set here, so L2 stays warm for both, unlike bench_sparse.py);
+  ratio the host-time contract bounds (one list set here, so L2 stays warm for both, unlike bench_sparse.py);
 - the parts: the launches alone (a plan's Planned.run, a one-shot entry's Planned.run_with, the
   checked path for an out of other strides), the one-shot cache's key, the plan's Python
   checks, and for scale a lone device copy and an empty Python call;
