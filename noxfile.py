@@ -71,6 +71,12 @@ def test(session: nox.Session) -> None:
 
 
 @nox.session
+def gpu(session: nox.Session) -> None:
+    """Build once, then the GPU steps named after -- on a CUDA host (nox -s gpu -- --list)."""
+    _forktools(session, "gpu")
+
+
+@nox.session
 def review(session: nox.Session) -> None:
     """Review a stage: its notes, its patches' diffstat, its tests (nox -s review -- N)."""
     _forktools(session, "review")

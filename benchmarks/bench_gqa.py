@@ -95,7 +95,9 @@ def dense_fa3():
     return forward
 
 
-def run_sweep(args) -> list:
+def run_sweep(args, written=lambda points: None) -> list:
+    """Every point of the sweep; written(points) after each batch and key length (a run cut short
+    keeps what it measured)."""
     flush_buffer = torch.empty(L2_FLUSH_BYTES, dtype=torch.uint8, device="cuda")
     dense = dense_fa3()
     points = []
@@ -117,6 +119,7 @@ def run_sweep(args) -> list:
                                               dense, flush_buffer.zero_)
                         print(summary_line(point), flush=True)
                         points.append(point)
+            written(points)
     return points
 
 
@@ -196,14 +199,15 @@ def main():
     args = parser.parse_args()
     gpu = torch.cuda.get_device_name()
     print(f"GPU: {gpu}  torch {torch.__version__}", flush=True)
-    points = run_sweep(args)
     args.out.mkdir(parents=True, exist_ok=True)
     commit = source_commit()
-    (args.out / "gqa.json").write_text(json.dumps({"gpu": gpu, "date": time.strftime("%Y-%m-%d"), "commit": commit,
-                                                   "points": [dict(asdict(p), name=p.name) for p in points]}, indent=1))
-    table = markdown(points, gpu, commit)
-    (args.out / "gqa.md").write_text(table)
-    print(table.split("\n\n| point")[0])
+
+    def write(points):
+        (args.out / "gqa.json").write_text(json.dumps({"gpu": gpu, "date": time.strftime("%Y-%m-%d"), "commit": commit,
+                                                       "points": [dict(asdict(p), name=p.name) for p in points]}, indent=1))
+        (args.out / "gqa.md").write_text(markdown(points, gpu, commit))
+    points = run_sweep(args, write)
+    print(markdown(points, gpu, commit).split("\n\n| point")[0])
 
 
 if __name__ == "__main__":
