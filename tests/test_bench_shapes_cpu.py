@@ -1,6 +1,6 @@
 """bench_sparse.py's `--shapes` selection on the CPU: a part names shapes by name or "name
-density", and the crossover rows come only when a part says "crossover" (run 143: "Sk32k 0.0625"
-had begun to pull in the crossover's ten decode rows too)."""
+density", and the crossover rows come only when a part says "crossover" ("Sk32k 0.0625" must not
+pull in the crossover's ten decode rows too)."""
 
 import sys
 from pathlib import Path

@@ -19,8 +19,8 @@ H200_SLOTS = 2 * 132  # two split-kernel CTAs per SM
 @pytest.mark.parametrize("ctas,tiles,expected", [
     (64, 16, 4),     # B8 Hk8 decode at 1/16 of 32k keys: one wave of 256 CTAs
     (8, 64, 32),     # B1 Hk8 at 1/16 of 128k keys
-    (64, 64, 4),     # B8 Hk8 Sq1 at 1/4: 4 splits measured fastest of 1-32 (run 41)
-    (8, 256, 29),    # B1 Hk8 at 1/4: 39.7 us, within 0.1 us of the best of 1-32 (run 41)
+    (64, 64, 4),     # B8 Hk8 Sq1 at 1/4: 4 splits measured fastest of 1-32
+    (8, 256, 29),    # B1 Hk8 at 1/4: 39.7 us, within 0.1 us of the best of 1-32
     (256, 16, 1),    # the CTAs already fill the GPU
     (64, 1, 1),      # one tile cannot be split
     (0, 4, 1),       # no CTAs (every varlen query sequence empty): fuzzer seed 2's ZeroDivisionError
@@ -34,9 +34,9 @@ def test_choose_num_splits(ctas, tiles, expected):
     (8, 32768, 256, (64, 3 * 132, 256)),        # every block listed: the one-warp decode tile, three per SM
 ])
 def test_split_work_counts_three_ctas_per_sm_only_for_the_decode_tile(monkeypatch, batch, seqlen_k, list_blocks, expected):
-    """The key-split tile fits three CTAs per SM, but the heuristic counts two for it (run 41:
+    """The key-split tile fits three CTAs per SM, but the heuristic counts two for it (measured:
     fewer, longer splits measured faster, 4 instead of 6 at B8 Sq1 1/16); the one-warp decode
-    tile counts three (run 21)."""
+    tile counts three."""
     monkeypatch.setattr(fa2, "num_sms", lambda index: 132)
     call = SimpleNamespace(q=torch.empty(batch, 1, 32, 128), k=torch.empty(batch, 0, 8, 128), batch=batch,
                            max_seqlen_q=1, blocks=SimpleNamespace(block_size=128), max_list_length=lambda: list_blocks)
@@ -52,7 +52,7 @@ def test_split_work_counts_three_ctas_per_sm_only_for_the_decode_tile(monkeypatc
     (64, 32768, 64, False),   # Sq16 x 4 heads: 64 packed rows
 ])
 def test_decode_tile_only_for_long_lists_and_much_work(packed_rows, list_keys, ctas, expected_tile):
-    """The rule flash_sparse.h's sparse_decode_tile applies, on the shapes run 21 measured."""
+    """The rule flash_sparse.h's sparse_decode_tile applies, on the shapes measured for it."""
     assert decode_tile(packed_rows, list_keys, ctas) == expected_tile
 
 
@@ -78,8 +78,8 @@ def _fa4_work(tiles, list_blocks, batch, seqlen_q, tile_rows):
 
 
 @pytest.mark.parametrize("tiles,list_blocks,batch,seqlen_q,tile_rows,expected", [
-    (64, 16, 8, 16, 64, 1),      # B8 Sq16 1/16: one split 22.8 us, two 26.7 (run 60 sweep)
-    (64, 64, 8, 16, 64, 2),      # B8 Sq16 1/4: 72.5 vs 73.6 us (run 55, before patches 0004-0006: 73.6 vs 70.9)
+    (64, 16, 8, 16, 64, 1),      # B8 Sq16 1/16: one split 22.8 us, two 26.7
+    (64, 64, 8, 16, 64, 2),      # B8 Sq16 1/4: 72.5 vs 73.6 us
     (64, 256, 8, 16, 64, 2),     # every block listed: two splits 254.6 vs 291.3 us
     (64, 16, 8, 1, 64, 1),       # B8 Sq1 1/16: 22.3 vs 22.9 us
     (64, 64, 8, 1, 64, 2),       # B8 Sq1 1/4: 67.8 vs 73.3 us
@@ -92,7 +92,7 @@ def test_fa4_split_model_picks_what_run_60_measured_fastest(tiles, list_blocks, 
 
 def test_fa4_split_model_splits_few_tiles_until_the_chain_stops_paying():
     """B1 decode (8 tiles): one split walks the whole list at one CTA's rate (64.8 us for 64
-    blocks in run 55, 10.5-17.6 with 8-16 splits); splits stop where the merge costs more than
+    blocks in a split sweep, 10.5-17.6 with 8-16 splits); splits stop where the merge costs more than
     the shorter chain, and never exceed the blocks listed."""
     picks = {blocks: fa4.choose_num_splits(max_splits=128, **_fa4_work(8, blocks, 1, 1, 64)) for blocks in (1, 4, 16, 64, 256)}
     assert picks[1] == 1 and all(picks[b] <= b for b in picks)
@@ -100,7 +100,7 @@ def test_fa4_split_model_splits_few_tiles_until_the_chain_stops_paying():
 
 
 def test_fa4_split_model_against_every_measured_split_table():
-    """Every column of run 60's split tables (3 decode shapes x 9 list lengths, 1-8 splits,
+    """Every column of the split sweep's tables (3 decode shapes x 9 list lengths, 1-8 splits,
     benchmarks/results/...-98f11cb-profile-fa4.txt): the model's pick is the measured best or
     within 2% of it (benchmarks/fit_split_model.py, which also refits the constants)."""
     sys.path.insert(0, str(Path(__file__).parents[1] / "benchmarks"))

@@ -32,9 +32,16 @@ def parametrizations(test_name: str) -> list:
     return groups
 
 
-ARCHIVE_FOLDERS = (run_upstream.SHARED, run_upstream.CACHE)
-needs_archive = pytest.mark.skipif(not any((folder / run_upstream.ARCHIVE).exists() for folder in ARCHIVE_FOLDERS),
-                                   reason="neither ../shared/upstream nor .cache/upstream has the tests archive")
+def _archive_present() -> bool:
+    try:
+        run_upstream.find_archive()
+    except SystemExit:
+        return False
+    return True
+
+
+needs_archive = pytest.mark.skipif(not _archive_present(),
+                                   reason="the tests archive is in neither .cache/upstream nor $FORKTOOLS_UPSTREAM_MIRROR")
 
 
 @needs_archive

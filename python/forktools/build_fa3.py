@@ -60,8 +60,7 @@ def wheel_glob(label: str) -> str:
 
 def default_jobs(jobs: int | None, beside_fa2: bool = False) -> int:
     """Parallel units: the CPUs, but no more than the memory (less what FA-2's build takes when it
-    runs beside) allows at ~6 GB a unit: on the 16-core, 128 GB GPU machine 16 alone, 15 beside
-    FA-2 (run 138 built FA-3 alone with 15: 2,332 unit-seconds in 189 s)."""
+    runs beside) allows at ~6 GB a unit: e.g. on a 16-core, 128 GB host 16 alone, 15 beside FA-2."""
     cpus = jobs or os.cpu_count() or 1
     memory_gib = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
     return max(1, min(cpus, int((memory_gib - (GIB_FOR_FA2 if beside_fa2 else 0)) // GIB_PER_JOB)))

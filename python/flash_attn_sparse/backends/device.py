@@ -28,8 +28,8 @@ def for_run_with(planned):
 
 # The extensions' SparseForward graph_launch (flash_api_sparse.cpp, FA-2 and FA-3): after its first
 # run a planned forward launches its kernels as one CUDA graph given each run's parameters instead
-# of one runtime launch per kernel, for plans and the one-shot launcher. Run 131 (session 26, same
-# run): a split call's plan.run 11.7-13.6 -> 6.2-9.7 us, one-shot 34-37 -> 28-33 us.
+# of one runtime launch per kernel, for plans and one-shot calls (a split call's plan.run
+# 11.7-13.6 -> 6.2-9.7 us of host time, one-shot 34-37 -> 28-33 us, same run).
 # benchmarks/host_time.py turns it off for its fa2-direct and fa3-direct rows.
 GRAPH_LAUNCH = True
 

@@ -64,7 +64,7 @@ def choose_num_splits(batch_heads_mblocks: int, num_slots: int, num_tiles: int, 
 def split_slots(q: Tensor, decode: bool) -> int:
     """CTAs per wave that the split heuristic fills: two per SM, as upstream assumes, and three of
     the one-warp decode tile. The key-split tile fits three per SM too, but counted as two it
-    picks fewer, longer splits, which measured faster: run 41's sweep (H200, lists from HBM), 4
+    picks fewer, longer splits, which measured faster in a split sweep (H200, lists from HBM): 4
     splits instead of 6 at B8 Sq1 1/4 and 1/16 (-1.2 us each), 29 instead of 37 at B1 1/4 (-2.2
     us), and 32 as before at B1 1/16."""
     return (3 if decode else 2) * num_sms(q.device.index or 0)

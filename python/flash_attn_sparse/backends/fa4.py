@@ -76,10 +76,10 @@ def rows_per_tile(q: Tensor, k: Tensor, blocks: SparseBlocks, *, max_seqlen_q: i
     return min(TILE_ROWS, max_seqlen_q * _packed(q, k, blocks)[1])
 
 
-# FA-4's split-KV cost model, fitted to run 55's sweep and refitted to run 60's (H200, graph time
-# against blocks per list for 1-8 splits at B8 and B1 decode, benchmarks/profile_decode.py
-# --backend fa4; benchmarks/fit_split_model.py picks each table's split count from the model and
-# reports how far that is from the measured best: 0% on run 60's 27 points): one CTA walks its
+# FA-4's split-KV cost model, fitted to a split sweep (H200, graph time against blocks per list
+# for 1-8 splits at B8 and B1 decode, benchmarks/profile_decode.py --backend fa4;
+# benchmarks/fit_split_model.py picks each table's split count from the model and reports how far
+# that is from the measured best: 0% on the sweep's 27 points): one CTA walks its
 # list at ~62 GB/s (one 128-key K/V block pair of d128 per ~1.06 us, whatever the CTA count up to
 # ~64), all CTAs together at ~4.4 TB/s, and splitting costs the combine launch plus the fp32
 # partials written and read. A CTA's block also takes its tile's matmuls at about the per-SM

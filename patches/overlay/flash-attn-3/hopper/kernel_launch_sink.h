@@ -3,7 +3,7 @@
  * after its first run the plan holds its kernels as one CUDA graph, and each later run builds
  * its kernels' arguments as ever (the launch templates: parameters, TMA descriptors) but hands
  * them to the sink installed for this thread, which sets them on the graph's kernel nodes,
- * instead of launching each kernel through the runtime (5-17 us a launch on the lent H200's host).
+ * instead of launching each kernel through the runtime (5-17 us a launch on a slow host).
  ******************************************************************************/
 
 #pragma once

@@ -334,7 +334,7 @@ __forceinline__ __device__ void apply_sparse_mask(Tensor<Engine, Layout> &acc_s,
 // key first_key + c, so a row hides the columns past its last visible key minus first_key. One
 // limit per row and a compare-and-select per score, as upstream's causal mask; the general
 // apply_sparse_mask, which looks each column up, compiled to branches around every score and
-// made such a tile cost several unmasked ones (run 26: ~11 us against ~2 at B8 Sq16).
+// made such a tile cost several unmasked ones (about 5x at B8 Sq16 decode).
 template <typename Engine, typename Layout>
 __forceinline__ __device__ void apply_causal_mask_whole_tile(Tensor<Engine, Layout> &acc_s, const int first_key,
                                                              const SparseTileRows &rows, const int row_idx_offset,
@@ -660,10 +660,9 @@ inline __device__ void compute_attn_1rowblock_sparse(const Params &params, const
     // The common tile is kBlockN consecutive keys of one valid block (block_size >= kBlockN, not
     // past seqlen_k; when paged, inside one page). Its first row (a position, or a row of the
     // cache when paged) is enough: it is copied as one strided tile, each thread's row offsets
-    // fixed, as in upstream's dense kernel, instead of an address per row. Measured (ncu, dense
-    // B1 Sq1 Sk128k, tests/RESULTS.md runs 18-19): the per-row path ran 46% more instructions
-    // than upstream's kernel, 22% longer on the same grid; this path: 20% fewer instructions, 5%
-    // less time. When tiles can be whole, a tile's block id is read before the matmul
+    // fixed, as in upstream's dense kernel, instead of an address per row. Under ncu (every block
+    // listed, B1 Sq1 Sk128k) the per-row path ran 46% more instructions than upstream's kernel,
+    // 22% longer on the same grid; this path: 20% fewer instructions, 5% less time. When tiles can be whole, a tile's block id is read before the matmul
     // (tile_block) and used after it (tile_keys: the first row, or -1 after filling
     // `positions`), so the load is in flight during the matmul; a branch on it right after the
     // load would wait for it.
@@ -738,10 +737,10 @@ inline __device__ void compute_attn_1rowblock_sparse(const Params &params, const
     }
     // The 4-warp kernels issue V of a tile as soon as sV is free (here, and after the previous
     // tile's PV), so it loads beside that tile's K: groups in flight at the top of an iteration
-    // are [K(t)] [V(t)]. Run 35 (H200): one split walking many tiles 5-10% faster, default
-    // split counts unchanged. The one-warp decode tile keeps upstream's order (V(t) after K(t)
-    // is in): issuing early made it 2-4% slower (runs 24, 35). Invalid V rows are cleared: P is 0
-    // there, but 0 * garbage need not be.
+    // are [K(t)] [V(t)]: one split walking many tiles ran 5-10% faster, default split counts
+    // unchanged. The one-warp decode tile keeps upstream's order (V(t) after K(t) is in):
+    // issuing early made it 2-4% slower. Invalid V rows are cleared: P is 0 there, but 0 *
+    // garbage need not be.
     constexpr bool kIssueVEarly = kNWarps > 1;
     if (kIssueVEarly && has_tiles) {
         copy_keys<Is_even_K, /*Clear_invalid_rows=*/true>(gmem_tiled_copy_QKV, tVgV, tVgV0, tVsV, tKVpKV, start, positions, params.v_row_stride, v_shift(tile));

@@ -18,7 +18,7 @@ constexpr int kSparseNarrowBlockM = 64;
 // take it when their longest list holds at least kSparseDecodeMinListKeys keys and all lists
 // together (one per CTA of a split) at least kSparseDecodeMinTotalKeys. The one-warp CTA streams
 // a tile more slowly than the 4-warp one; it wins only when the work keeps its three CTAs per SM
-// busy. Run 21 (H200, d128, 4 packed rows, auto splits): 8-9% faster with every block of B8
+// busy. Measured (H200, d128, 4 packed rows, auto splits): 8-9% faster with every block of B8
 // Sk32k and B1 Sk128k listed (2M and 1M keys), even at B8 with 128-block lists (1M), 7-17%
 // slower at B1 with 128-256 (0.26M keys), 0-27% slower with lists of 2k-8k keys.
 constexpr int kSparseDecodeBlockM = 16;
@@ -58,9 +58,9 @@ inline bool sparse_decode_tile(const Flash_fwd_params &params) {
 // Splits of one tile merged in a thread-block cluster through distributed shared memory (sm_90+)
 // instead of fp32 partials in global memory and the combine kernel: the key-split tile (packed
 // rows <= 16, head dim <= 128, not the one-warp decode tile) at 2-4 splits of at most 8 tiles each.
-// Run 47 (H200, d128, 4 packed rows, graph us): 0.6-1.5 us faster there (B8 Sq1 Sk32k 1/16, 4 splits:
-// 25.9 -> 24.4); 4-split clusters walking 16-32 tiles each were 1.3-2.8 us slower at B8 (64 tiles),
-// and run 45 had the 64-row tile 1.5x slower in clusters and 8 splits 3-6 us slower.
+// Measured (H200, d128, 4 packed rows, graph us): 0.6-1.5 us faster there (B8 Sq1 Sk32k 1/16, 4
+// splits: 25.9 -> 24.4); 4-split clusters walking 16-32 tiles each were 1.3-2.8 us slower at B8 (64
+// tiles), the 64-row tile 1.5x slower in clusters, and 8 splits 3-6 us slower.
 // The host asks this and then allocates no partials; the launcher takes a split call without
 // partial buffers as a cluster call.
 constexpr int kSparseClusterMergeMaxSplits = 4;

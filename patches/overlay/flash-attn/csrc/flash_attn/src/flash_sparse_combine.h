@@ -4,12 +4,12 @@
  *
  * Upstream's combine kernel gives a CTA four rows and walks the splits a few at a time, so a
  * decode call with few query rows (B1 Sq1 H32: 32 rows, 8 CTAs, 32 splits) waits for one load
- * round trip after another (4.9 us of a ~20 us call, run 25). Here each row gets its own warps
+ * round trip after another (about a quarter of a decode call). Here each row gets its own warps
  * and each warp loads 8 of its splits' partials at once, before and while the LSEs are reduced.
  * Few rows (decode with one query row): four warps per row, 32 splits in flight, merged across
  * warps in shared memory. Many rows (several query rows): one warp per row, no shared memory or
  * CTA barrier; four warps per row there left the GPU's warp slots too few for the rows and made
- * the merge slower than upstream's (B8 Sq16 H32, 4096 rows: 5.8 -> 10.7 us, run 27).
+ * the merge slower than upstream's (B8 Sq16 H32, 4096 rows: 5.8 -> 10.7 us).
  *
  * The sparse contract, which upstream's combine does not keep: varlen rows past a sequence's
  * length are neither read nor written (upstream combines only padded rows), and a row no partial
