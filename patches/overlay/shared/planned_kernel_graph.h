@@ -3,7 +3,7 @@
  * graph_launch (FA-2's and FA-3's flash_api_sparse.cpp). Captured once on a private stream; each
  * later run sets every kernel node's one argument (that run's parameters, copied by the call)
  * and launches the graph once, where a direct run pays the runtime's launch per kernel (4-27 us
- * each on the lent hosts, runs 127-131). forktools lays this file into both trees
+ * each on the hosts measured). forktools lays this file into both trees
  * (overlay.FROM_REPO); it is host code only.
  ******************************************************************************/
 
