@@ -46,11 +46,11 @@ def tests(session) -> str:
 
 
 def reliability(session) -> str:
-    return run_pytest(session, "reliability", "tests/test_reliability_gpu.py")
+    return run_pytest(session, "reliability", "tests/contract/test_reliability_gpu.py")
 
 
 def fa4(session) -> str:
-    return run_pytest(session, "fa4", "tests/test_stage4_fa4.py")
+    return run_pytest(session, "fa4", "tests/backends/test_stage4_fa4.py")
 
 
 def build_mutant(session, name: str, diff: Path) -> Path | None:
@@ -73,7 +73,7 @@ def gqa_mutation(session) -> str:
     site = build_mutant(session, "gqa-mutation", GQA_MUTATION)
     if site is None:
         return "gqa mutation build: FAILED"
-    result = run_pytest(session, "gqa-mutant", "tests/test_contract_gqa_gpu.py", "-k", "fa2",
+    result = run_pytest(session, "gqa-mutant", "tests/contract/test_contract_gqa_gpu.py", "-k", "fa2",
                         env={"PYTHONPATH": str(site)})
     caught = session.last_rc == 1  # pytest's "some tests failed", not a crash or a timeout
     session.worst_rc = 0 if caught else 1
@@ -90,14 +90,14 @@ def mutation(session) -> str:
     site = build_mutant(session, "mutation", Path("tests/mutations/v-steps-densely.patch"))
     if site is None:
         return "mutation build: FAILED"
-    result = run_pytest(session, "mutant", "tests/test_stage3_sparse_fa2.py", "-k", "permuted or tail_block_in_the_middle",
+    result = run_pytest(session, "mutant", "tests/backends/test_stage3_sparse_fa2.py", "-k", "permuted or tail_block_in_the_middle",
                         env={"PYTHONPATH": str(site)})
     caught = session.last_rc == 1  # pytest's "some tests failed", not a crash or a timeout
     session.worst_rc = 0 if caught else 1
     return f"{result} ({'caught' if caught else 'NOT caught'}: these tests must fail)"
 
 
-FA3_TESTS = "tests/test_stage4_fa3_sparse.py"
+FA3_TESTS = "tests/backends/test_stage4_fa3_sparse.py"
 FA3_MUTATION = Path("tests/mutations/fa3-v-steps-densely.patch")
 
 
@@ -468,7 +468,7 @@ def upstream_fa3(session) -> str:
 
 
 def distributed(session) -> str:
-    return run_pytest(session, "distributed", "tests/test_distributed_gpu.py")
+    return run_pytest(session, "distributed", "tests/api/test_distributed_gpu.py")
 
 
 def client_bench(session) -> str:
@@ -525,9 +525,9 @@ STEPS = {
     "sanitize": ("compute-sanitizer memcheck, racecheck, initcheck over the sparse kernels (tests/sanitize.py)", sanitize),
     "sanitize-fuzz": ("the three tools over the fuzzer's adversarial subset (bad ids, counts, pages, varlen edges), every backend",
                       sanitize_fuzz),
-    "reliability": ("tests/test_reliability_gpu.py", reliability),
+    "reliability": ("tests/contract/test_reliability_gpu.py", reliability),
     "fa4": ("the stage-4 (FA-4 backend) tests", fa4),
-    "fa3": ("the FA-3 sparse SM90 forward's tests (tests/test_stage4_fa3_sparse.py) on the dev flash_attn_3 wheel", fa3),
+    "fa3": ("the FA-3 sparse SM90 forward's tests (tests/backends/test_stage4_fa3_sparse.py) on the dev flash_attn_3 wheel", fa3),
     "fa3-mutation": ("the FA-3 wheel rebuilt with V stepping densely: its permuted-list tests must fail", fa3_mutation),
     "fa3-variants": ("each --fa3-variant diff built as an FA-3 wheel: the FA-3 tests, then fa3 and dense FA-3 on the bench "
                      "shapes, this build beside the variant", fa3_variants),
@@ -553,7 +553,7 @@ STEPS = {
     "upstream-fa2": ("upstream FA-2's tests on this wheel (tests/upstream/run_upstream.py)", upstream_fa2),
     "example": ("every examples/*.py, each must exit 0", examples),
     "upstream-fa3": ("upstream FA-3 hopper/test_flash_attn.py forward tests on flash_attn_3 (--upstream-fa3-k)", upstream_fa3),
-    "distributed": ("the context-parallel tests on one GPU (tests/test_distributed_gpu.py)", distributed),
+    "distributed": ("the context-parallel tests on one GPU (tests/api/test_distributed_gpu.py)", distributed),
     "host-time": ("benchmarks/host_time.py: where plan.run's and the one-shot call's host time goes, per backend", host_time),
     "gqa-sweep": ("benchmarks/bench_gqa.py: every GQA group at decode against dense FA-3 over the listed keys: gqa.md, "
                   "gqa.json (--gqa-args)", gqa_sweep),

@@ -9,7 +9,7 @@ import pytest
 
 from flash_attn_sparse.backends import BACKENDS, protocol
 
-PACKAGE = Path(__file__).parents[1] / "python" / "flash_attn_sparse"
+PACKAGE = Path(__file__).parents[2] / "python" / "flash_attn_sparse"
 BACKEND_MODULES = {path.stem for path in (PACKAGE / "backends").glob("*.py")} - {"__init__"}
 
 

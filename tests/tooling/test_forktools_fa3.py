@@ -16,7 +16,7 @@ import pytest
 from forktools import ToolError, build_fa3, github, series, treeid
 from forktools.layout import Layout
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 MIRROR = github.mirror_dir(None) or ROOT.parent / "shared" / "upstream"  # CI's offline mirror
 
 

@@ -21,7 +21,7 @@ import pytest
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 # Appended, not prepended: an installed flash_attn_sparse wheel must keep shadowing
 # python/flash_attn_sparse for the other test modules (see conftest.py).
 sys.path.append(str(REPO / "python"))

@@ -9,7 +9,7 @@ import pytest
 
 from flash_attn_sparse.backends import fa2_ops
 
-ROOT = Path(__file__).parents[1]
+ROOT = Path(__file__).parents[2]
 OVERLAY = ROOT / "patches/overlay/flash-attn/csrc/flash_attn"
 BINDINGS_PATCH = next((ROOT / "patches/flash-attn").glob("0005-*.patch"))
 

@@ -13,7 +13,7 @@ from forktools import ToolError, build, toolchain
 from forktools.layout import Layout
 
 pytestmark = pytest.mark.tooling
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 ATEN_2_14 = "#pragma once\n#if !defined(__cplusplus) || __cplusplus < 202002L\n" \
             "#error C++20 or later compatible compiler is required to use ATen.\n#endif\n"
 

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 sys.path.append(str(REPO / "python"))  # for forktools; appended, so an installed flash_attn_sparse still wins
 
 from forktools import build, series  # noqa: E402

@@ -16,7 +16,7 @@ import pytest
 from forktools.layout import checkout_root
 
 pytestmark = pytest.mark.tooling
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 @pytest.mark.skipif(importlib.util.find_spec("setuptools") is None, reason="the build backend, setuptools, is absent")

@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-PACKAGE = Path(__file__).parents[1] / "python/flash_attn_sparse"
-TOOLING = Path(__file__).parents[1] / "python/forktools"
+PACKAGE = Path(__file__).parents[2] / "python/flash_attn_sparse"
+TOOLING = Path(__file__).parents[2] / "python/forktools"
 
 
 def _module_name(path: Path, package: Path = PACKAGE) -> str:

@@ -64,7 +64,7 @@ def c_int(text):
 
 def test_decode_tile_constants_match_the_kernel_rule():
     """The split heuristic assumes the tile flash_sparse.h's sparse_decode_tile picks: same limits."""
-    header = (Path(__file__).parents[1] / "patches/overlay/flash-attn/csrc/flash_attn/src/flash_sparse.h").read_text()
+    header = (Path(__file__).parents[2] / "patches/overlay/flash-attn/csrc/flash_attn/src/flash_sparse.h").read_text()
     constants = {name: c_int(value) for name, value in re.findall(r"constexpr (?:int|long) (kSparseDecode\w+) = ([^;]+);", header)}
     assert constants == {"kSparseDecodeBlockM": fa2.DECODE_KERNEL_ROWS,
                          "kSparseDecodeMinListKeys": fa2.DECODE_MIN_LIST_KEYS,
@@ -103,9 +103,9 @@ def test_fa4_split_model_against_every_measured_split_table():
     """Every column of the split sweep's tables (3 decode shapes x 9 list lengths, 1-8 splits,
     benchmarks/results/...-98f11cb-profile-fa4.txt): the model's pick is the measured best or
     within 2% of it (benchmarks/fit_split_model.py, which also refits the constants)."""
-    sys.path.insert(0, str(Path(__file__).parents[1] / "benchmarks"))
+    sys.path.insert(0, str(Path(__file__).parents[2] / "benchmarks"))
     import fit_split_model
-    results = Path(__file__).parents[1] / "benchmarks/results/2026-11-30-h200-98f11cb-profile-fa4.txt"
+    results = Path(__file__).parents[2] / "benchmarks/results/2026-11-30-h200-98f11cb-profile-fa4.txt"
     rows = fit_split_model.regrets(fit_split_model.read_tables(results))
     assert len(rows) == 27
     assert max(regret for *_, regret in rows) <= 0.02, [r for r in rows if r[-1] > 0.02]
@@ -126,5 +126,5 @@ def test_fa2_packs_any_group_where_no_tile_straddles_two_list_rows(group, list_h
     call = SimpleNamespace(q=torch.empty(1, seqlen_q, 8 * group if list_heads != 32 else 32, 128),
                            k=torch.empty(1, 1, 8, 128), blocks=blocks, max_seqlen_q=seqlen_q)
     assert fa2.pack_gqa(call) is packs
-    cpp = (Path(__file__).parents[1] / "patches/overlay/flash-attn/csrc/flash_attn/flash_api_sparse.cpp").read_text()
+    cpp = (Path(__file__).parents[2] / "patches/overlay/flash-attn/csrc/flash_attn/flash_api_sparse.cpp").read_text()
     assert "q_block_size >= seqlen_q || (int64_t(q_block_size) * group) % kSparseNarrowBlockM == 0" in cpp

@@ -20,7 +20,7 @@ capture a builder (`blocks_from_scores` or `blocks_from_mask`) and the attention
 its lists in ONE graph, with host syncs turned into errors during the capture, then replay it
 with new scores and new q/k/v copied into the static inputs and check against eager calls
 (bitwise) and the reference. The speculative two-pass with 1-D tables is captured in
-tests/test_reliability_gpu.py; here its missed lists come from `blocks_from_scores` and the
+tests/contract/test_reliability_gpu.py; here its missed lists come from `blocks_from_scores` and the
 speculative K/V is gathered inside the graph.
 """
 

@@ -50,7 +50,7 @@ def test_query_heads_pack_where_no_tile_straddles_two_list_rows(group, list_head
 
 
 def test_the_cpp_host_states_the_same_rule():
-    source = (Path(__file__).parents[1] / "patches/overlay/flash-attn-3/hopper/flash_api_sparse.cpp").read_text()
+    source = (Path(__file__).parents[2] / "patches/overlay/flash-attn-3/hopper/flash_api_sparse.cpp").read_text()
     assert "bool const one_list_row = q_block_size >= seqlen_q;" in source
     assert "bool const packed_rows_fill_tiles = one_list_row || (q_block_size * group) % kBlockM == 0;" in source
     assert "sp.tiles_per_row = one_list_row ? kOneListRow : int(int64_t(q_block_size) * (pack ? group : 1) / tile_m);" in source

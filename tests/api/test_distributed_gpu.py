@@ -4,7 +4,7 @@ One GPU: every shard's partial computed on the one device by the package's kerne
 by the code that merges gathered partials (flash_attn_combine), against the fp64 oracle under
 FlashAttention's tolerance and against the unsharded kernel call; the per-shard path captured
 in a CUDA graph. Two or more GPUs (NCCL): run under
-`torchrun --nproc-per-node 2 -m pytest tests/test_distributed_gpu.py -k nccl`; each rank's
+`torchrun --nproc-per-node 2 -m pytest tests/api/test_distributed_gpu.py -k nccl`; each rank's
 result must equal the one-GPU emulation bit for bit and the oracle under the tolerance.
 """
 
@@ -151,7 +151,7 @@ def test_one_rank_group_captures_in_a_cuda_graph(one_rank_nccl_group):
 def _nccl_world():
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if world < 2:
-        return "needs torchrun with 2+ ranks: torchrun --nproc-per-node 2 -m pytest tests/test_distributed_gpu.py -k nccl"
+        return "needs torchrun with 2+ ranks: torchrun --nproc-per-node 2 -m pytest tests/api/test_distributed_gpu.py -k nccl"
     if torch.cuda.device_count() < world:
         return f"needs {world} GPUs, found {torch.cuda.device_count()}"
     return None

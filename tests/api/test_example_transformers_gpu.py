@@ -15,7 +15,7 @@ import torch
 
 pytest.importorskip("transformers")
 
-EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "transformers_quest.py"
+EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "transformers_quest.py"
 _spec = importlib.util.spec_from_file_location("transformers_quest", EXAMPLE)
 quest = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(quest)

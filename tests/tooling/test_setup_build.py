@@ -17,7 +17,7 @@ from forktools import ToolError, build, github, sources, toolchain, upstream, wh
 from forktools.layout import Layout
 
 pytestmark = pytest.mark.tooling
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 TOOLS = toolchain.Toolchain(Path("/opt/cuda"), (13, 0), "2.14.1+cu130", "c++20")
 
 

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 sys.path.append(str(REPO / "python"))  # appended: an installed flash_attn_sparse keeps precedence
 
 from forktools import gpu, gpu_steps  # noqa: E402
@@ -67,10 +67,10 @@ def test_steps_run_in_the_order_given_after_the_one_build(capsys, tmp_path):
 
 def test_dry_run_command_lines_put_everything_under_the_output_folder(capsys, tmp_path):
     out = tmp_path / "results"
-    commands = dry_run(capsys, "--out", str(out), "--pytest-args", "tests/test_stage5_api.py -k paged",
+    commands = dry_run(capsys, "--out", str(out), "--pytest-args", "tests/api/test_stage5_api.py -k paged",
                        "--bench-shapes", "decode", "tests", "bench")
     pytest_line = next(c for c in commands if "-m pytest" in c)
-    assert "-m gpu tests/test_stage5_api.py -k paged" in pytest_line
+    assert "-m gpu tests/api/test_stage5_api.py -k paged" in pytest_line
     assert f"> {out}/logs/pytest-gpu.log" in pytest_line
     bench_line = next(c for c in commands if "bench_sparse.py" in c)
     assert "--shapes decode" in bench_line and f"--json {out}/bench.json" in bench_line

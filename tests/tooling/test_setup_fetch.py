@@ -24,7 +24,7 @@ from forktools.__main__ import main
 from forktools.layout import Layout
 
 pytestmark = pytest.mark.tooling
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 MIRROR = Path(os.environ.get(github.MIRROR_ENV) or REPO.parent / "shared" / "upstream")  # CI's offline mirror
 PINS = github.load(REPO / "upstream" / "lock.toml")
 needs_mirror = pytest.mark.skipif(not all((MIRROR / pin.archive).is_file() for pin in PINS),

@@ -22,7 +22,7 @@ import flash_attn_sparse as fas
 from flash_attn_sparse import SparseInputError
 from flash_attn_sparse.backends import cute, fa3_ops
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 sys.path.append(str(REPO / "python"))  # for forktools; appended, so an installed flash_attn_sparse still wins
 
 from forktools import build, series, wheel_fa4  # noqa: E402

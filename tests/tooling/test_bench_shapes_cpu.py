@@ -5,7 +5,7 @@ pull in the crossover's ten decode rows too)."""
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).parents[1] / "benchmarks"))
+sys.path.insert(0, str(Path(__file__).parents[2] / "benchmarks"))
 import bench_sparse  # noqa: E402
 
 

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).parents[1] / "benchmarks"))
+sys.path.insert(0, str(Path(__file__).parents[2] / "benchmarks"))
 import host_time  # noqa: E402
 from flash_attn_sparse import interface  # noqa: E402
 from flash_attn_sparse.backends import device  # noqa: E402

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 sys.path.append(str(REPO / "python"))  # for forktools; appended, so an installed flash_attn_sparse still wins
 
 from forktools import series  # noqa: E402
@@ -128,7 +128,8 @@ def compile_case(name: str) -> str:
                                   "decode_mask_source"])
 def test_sm90_block_sparse_forward_compiles_without_a_gpu(patched_fa4: Path, case: str):
     env = {**os.environ, **CROSS_COMPILE_ENV,
-           "PYTHONPATH": os.pathsep.join([str(patched_fa4), str(REPO / "tests"), os.environ.get("PYTHONPATH", "")])}
+           "PYTHONPATH": os.pathsep.join([str(patched_fa4), str(Path(__file__).resolve().parent), str(REPO / "tests"),
+                                        os.environ.get("PYTHONPATH", "")])}
     child = subprocess.run([sys.executable, "-c", f"import test_stage4_fa4_compile as t; print(t.compile_case({case!r}))"],
                            env=env, capture_output=True, text=True, timeout=900)
     assert child.returncode == 0, child.stderr[-4000:]
