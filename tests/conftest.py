@@ -49,7 +49,7 @@ MODULES_THAT_ROUTE_AWAY_FROM_FA2 = {"test_stage4_fa4", "test_nan_propagation_gpu
 def auto_stays_on_fa2(request, monkeypatch):
     """Outside the modules above backend="auto" takes FA-2, so that the tests of the FA-2 kernels
     test them on a machine with the FA-3 build too, where auto sends prefill-shaped and packed
-    decode calls to FA-3 (test_auto_routing.py tests that rule). backend="fa3" requested stays
+    GQA decode calls to FA-3 (test_auto_routing.py tests that rule). backend="fa3" requested stays
     available."""
     from flash_attn_sparse import interface, routing
     interface.one_shot_cache.clear()  # the one-shot cache would carry one test's routing into the next

@@ -263,5 +263,5 @@ def head_dim_padded(head_dim: int, device: torch.device) -> int:
     """The partials' last dim: the combine kernel's rounded head dim on the GPU, head_dim elsewhere."""
     if device.type != "cuda":
         return head_dim
-    from .ops import head_dim_rounded
+    from .backends.fa2_ops import head_dim_rounded
     return head_dim_rounded(head_dim)

@@ -148,8 +148,8 @@ def flash_attn_with_sparse_block_table(q: Tensor, k: Tensor, v: Tensor, sparse_b
     multiple of it; seqlen_k is seqused_k, else max_pages * page_size.
     backend: "fa2" (this package's kernels), "fa3" (FA-3's SM90 kernel, the flash_attn_3
     wheel), "fa4" (flash-attn-4's SM90 kernel, extra `[hopper]`) or "auto": on SM90 fa3 where
-    it takes the call and the call has 128+ query rows per sequence or packs 32+ query rows of a
-    K/V head into a tile, else fa2; the same choice eagerly, in a CUDA-graph capture and under
+    it takes the call and the call has 128+ query rows per sequence or packs the GQA query heads
+    of a K/V head into its tiles, else fa2; the same choice eagerly, in a CUDA-graph capture and under
     torch.compile (routing.py). `choose_backend` tells which and `choose_num_splits_for` the
     split count, and the "flash_attn_sparse" logger says so at DEBUG.
     out: optional tensor like q (contiguous last dim) that receives the output (FA-4: by a copy).

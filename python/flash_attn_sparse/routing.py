@@ -4,7 +4,7 @@ capture and under torch.compile, so a call validated eagerly runs the same kerne
 
 | GPU | call | backend |
 |---|---|---|
-| sm90 + flash_attn_3 | FA-3 takes it; >= 128 query rows per sequence, or >= 32 packed rows of a K/V head | fa3 |
+| sm90 + flash_attn_3 | FA-3 takes it; >= 128 query rows per sequence, or it packs GQA query heads | fa3 |
 | any | every other call | fa2 |
 
 fa4 runs on request only (backend="fa4"): under graph replay it can lead at decode, but its host
@@ -21,7 +21,6 @@ from .calls import SparseCall
 from .metadata import SparseInputError, fail
 
 FA3_MIN_QUERY_ROWS = 128  # one FA-3 tile of query rows per sequence: prefill-shaped
-FA3_MIN_PACKED_ROWS = 32  # fewer packed rows per tile: fa2's 16-row decode tiles are as fast or faster
 
 
 def choose(call: SparseCall) -> Tuple[str, str]:
@@ -50,15 +49,15 @@ def runs_somewhere(call: SparseCall) -> bool:
 
 
 def fa3_reason(call: SparseCall) -> Optional[str]:
-    """Why auto sends this call to fa3, or None: prefill-shaped or packed decode, and FA-3 takes it."""
+    """Why auto sends this call to fa3, or None: prefill-shaped, or decode whose GQA query heads
+    FA-3 packs (where it packs, it led fa2 at every packed row count measured), and FA-3 takes it."""
     rows = query_rows(call)
     if rows >= FA3_MIN_QUERY_ROWS:
         why = f"{rows:g} query rows per sequence"
+    elif (group := BACKENDS["fa3"].traits(call).packed_group) > 1:
+        why = f"{rows:g} query rows x {group} query heads of a K/V head packed in a tile"
     else:
-        packed = rows * BACKENDS["fa3"].traits(call).packed_group
-        if packed < FA3_MIN_PACKED_ROWS:
-            return None
-        why = f"{packed:g} query rows of a K/V head packed in a tile"
+        return None
     return None if BACKENDS["fa3"].refusal(call) else f"{why} (auto's rule)"
 
 

@@ -1,6 +1,6 @@
 """auto's choice (routing.choose), on the CPU: each backend's refusal is replaced by "takes it" or
 by a reason, as on an SM90 with or without each build, so the rule itself is what these tests
-check: fa3 for prefill-shaped calls and packed decode that FA-3 takes, fa2 for the rest, fa4 only
+check: fa3 for prefill-shaped calls and packed GQA decode that FA-3 takes, fa2 for the rest, fa4 only
 on request, and the same answer whether or not a CUDA graph is being captured."""
 
 import pytest
@@ -49,24 +49,22 @@ def test_prefill_goes_to_fa3_where_it_takes_the_call_else_fa2(builds):
     assert routing.choose(call(**PREFILL, list_blocks=32))[0] == "fa2"
 
 
-def test_decode_goes_from_fa2_to_fa3_from_32_packed_rows(builds):
+def test_decode_goes_to_fa3_where_it_packs_query_heads(builds):
     backend, why = routing.choose(call(**DECODE, list_blocks=16))
-    assert backend == "fa3" and "64 query rows of a K/V head packed" in why
-    assert routing.choose(call(**dict(DECODE, seqlen_q=8), list_blocks=16))[0] == "fa3"  # 32 packed rows
-    assert routing.choose(call(**dict(DECODE, seqlen_q=4), list_blocks=16))[0] == "fa2"  # 16
-    assert routing.choose(call(**dict(DECODE, seqlen_q=1), list_blocks=16))[0] == "fa2"
+    assert backend == "fa3" and "16 query rows x 4 query heads of a K/V head packed" in why
+    assert routing.choose(call(**dict(DECODE, seqlen_q=1), list_blocks=16))[0] == "fa3"  # 4 packed rows
     assert routing.choose(call(**dict(DECODE, list_heads=32), list_blocks=16))[0] == "fa2"  # per query head: unpacked
+    assert routing.choose(call(**dict(DECODE, heads=8), list_blocks=16))[0] == "fa2"  # no GQA: nothing to pack
 
 
 @pytest.mark.parametrize("group", [3, 5, 6, 7])
 @pytest.mark.parametrize("seqlen_q", [7, 13, 16])
 def test_groups_that_do_not_divide_the_tile_pack_on_fa3_too(builds, group, seqlen_q):
-    """Qwen-style groups (28/4, 40/8, 12/2, 14/2): FA-3 packs every group, so packed decode of 32+
-    rows goes there as for groups 4 and 8."""
+    """Qwen-style groups (28/4, 40/8, 12/2, 14/2): FA-3 packs every group, so their decode goes
+    there as for groups 4 and 8."""
     decode = call(batch=4, seqlen_q=seqlen_q, seqlen_k=32768, heads=8 * group, heads_k=8, list_heads=8, list_blocks=16)
     assert fa3.traits(decode).packed_group == group
-    expected = "fa3" if seqlen_q * group >= routing.FA3_MIN_PACKED_ROWS else "fa2"
-    assert routing.choose(decode)[0] == expected
+    assert routing.choose(decode)[0] == "fa3"
 
 
 def test_fa4_runs_on_request_only(builds):

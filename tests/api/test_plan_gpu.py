@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import flash_attn_sparse as fas
-from flash_attn_sparse import SparseBlocks
+from flash_attn_sparse import SparseBlocks, calls
 from flash_attn_sparse.backends import fa4
 from flash_attn_sparse.metadata import pack_varlen_lists
 from flash_attn_sparse.options import CallOptions
@@ -248,11 +248,12 @@ def test_fa2_graph_launch_runs_bitwise_like_direct_launches(num_splits):
     next ones launch the kernels (forward, and the combine of a split call) as one CUDA graph given
     that run's parameters. Every run, and run_with over other lists, equals the direct forward's
     bitwise; a run on a stream being captured launches directly, and its replay equals too."""
-    from flash_attn_sparse.backends import fa2_ops
+    from flash_attn_sparse.backends import fa2, fa2_ops
     q, k, v = inputs(31)
     blocks = per_kv_head_lists(32)
     plan = fas.plan(q, k, v, blocks, backend="fa2", num_splits=num_splits)
-    args = plan._extension_args
+    call = calls.SparseCall(q, k, v, blocks, CallOptions(num_splits=num_splits, backend="fa2"))
+    args = dict(fa2_ops.extension_args(fa2.op_args(call, plan.num_splits)), q=None, k=None, v=None)
     try:
         graphed = fa2_ops.planned_forward(args, q, k, v, torch.empty_like(q), graph_launch=True)
     except TypeError as error:  # a build before graph_launch

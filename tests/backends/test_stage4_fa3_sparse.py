@@ -468,7 +468,9 @@ def test_fa3_graph_launch_runs_bitwise_like_direct_launches(num_splits, causal):
         return SparseBlocks(*pack_rows(rows, 47), *mask, block_size=BLOCK, q_block_size=128)
     blocks, other = lists(), lists()
     plan = fas.plan(q, k, v, blocks, backend="fa3", causal=causal, num_splits=num_splits)
-    call = plan._decision.call
+    from flash_attn_sparse import calls
+    from flash_attn_sparse.options import CallOptions
+    call = calls.SparseCall(q, k, v, blocks, CallOptions(causal=causal, num_splits=num_splits, backend="fa3"))
     try:
         graphed = fa3.planned(call, plan.num_splits, torch.empty_like(q), graph_launch=True)
     except TypeError as error:  # a build before graph_launch

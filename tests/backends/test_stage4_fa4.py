@@ -405,7 +405,7 @@ def test_fa4_runs_on_request_and_auto_never_takes_it():
         fas.choose_backend(q, k_cache, v_cache, dense(4096), page_table=page_table, backend="fa4")
     q_decode, k_decode, v_decode = random_qkv(8, 16, 32768, 32, 8, 128, torch.bfloat16)
     assert fas.choose_backend(q_decode, k_decode, v_decode, dense(32768)[:16])[0] == ("fa3" if fa3_here else "fa2")
-    assert fas.choose_backend(q_decode[:, :1], k_decode, v_decode, dense(32768)[:16])[0] == "fa2"  # 4 packed rows
+    assert fas.choose_backend(q_decode[:, :1], k_decode, v_decode, dense(32768)[:16])[0] == ("fa3" if fa3_here else "fa2")
     assert fas.choose_num_splits_for(q_decode, k_decode, v_decode, dense(32768), backend="fa4") > 1
 
 
