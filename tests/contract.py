@@ -6,8 +6,11 @@ the ids a kernel visits."""
 
 import math
 
+import pytest
 import torch
 
+from flash_attn_sparse import SparseInputError
+from flash_attn_sparse.backends import cute, fa3_ops
 from flash_attn_sparse.reference import visibility_from_lists
 from helpers import assert_close_to_reference, batched_rows, random_qkv
 
@@ -139,3 +142,23 @@ def varlen_inputs(seqlens_q, seqlens_k, heads, heads_k, head_dim, table_heads, q
     cu_k = as_gpu([0] + list(torch.tensor(seqlens_k).cumsum(0).tolist()))
     varlen = (as_gpu(cu_m), as_gpu(cu_off), cu_q, cu_k, max(seqlens_q), max(seqlens_k))
     return q, k, v, full_cnt.cuda(), full_idx.cuda(), mask_cnt.cuda(), mask_idx.cuda(), per_seq, varlen
+
+
+def attend(backend, call, must_run=("fa2",)):
+    """call() (a forward with backend=backend), synchronized, or a skip with the backend's
+    refusal; a backend in must_run may not refuse (the case is in its contract)."""
+    try:
+        result = call()
+    except SparseInputError as refusal:
+        assert backend not in must_run, f"{backend} refused: {refusal}"
+        pytest.skip(f"{backend} refuses: {refusal}")
+    torch.cuda.synchronize()
+    return result
+
+
+def backend_present(name: str) -> None:
+    """Skips the test where backend `name` is not installed."""
+    if name == "fa3" and (reason := fa3_ops.missing_build()):
+        pytest.skip(reason)
+    if name == "fa4" and (reason := cute.missing_runtime()):
+        pytest.skip(reason)

@@ -66,18 +66,21 @@ def build_mutant(session, name: str, diff: Path) -> Path | None:
     return site
 
 
-GQA_MUTATION = Path("tests/mutations/packed-row-head-ignores-tile-start.patch")
+def mutant_must_fail(session, name: str, diff: str, *pytest_args: str) -> str:
+    """A dev wheel with `diff` planted, and the tests that must catch it run on it: the step passes
+    when they fail (pytest's "some tests failed", not a crash or a timeout)."""
+    site = build_mutant(session, name, Path(diff))
+    if site is None:
+        return f"{name} build: FAILED"
+    result = run_pytest(session, name, *pytest_args, env={"PYTHONPATH": str(site)})
+    caught = session.last_rc == 1
+    session.worst_rc = 0 if caught else 1
+    return f"{result} ({'caught' if caught else 'NOT caught'}: these tests must fail)"
 
 
 def gqa_mutation(session) -> str:
-    site = build_mutant(session, "gqa-mutation", GQA_MUTATION)
-    if site is None:
-        return "gqa mutation build: FAILED"
-    result = run_pytest(session, "gqa-mutant", "tests/contract/test_contract_gqa_gpu.py", "-k", "fa2",
-                        env={"PYTHONPATH": str(site)})
-    caught = session.last_rc == 1  # pytest's "some tests failed", not a crash or a timeout
-    session.worst_rc = 0 if caught else 1
-    return f"{result} ({'caught' if caught else 'NOT caught'}: these tests must fail)"
+    return mutant_must_fail(session, "gqa-mutant", "tests/mutations/packed-row-head-ignores-tile-start.patch",
+                            "tests/contract/test_contract_gqa_gpu.py", "-k", "fa2")
 
 
 def gqa_sweep(session) -> str:
@@ -87,14 +90,8 @@ def gqa_sweep(session) -> str:
 
 
 def mutation(session) -> str:
-    site = build_mutant(session, "mutation", Path("tests/mutations/v-steps-densely.patch"))
-    if site is None:
-        return "mutation build: FAILED"
-    result = run_pytest(session, "mutant", "tests/backends/test_stage3_sparse_fa2.py", "-k", "permuted or tail_block_in_the_middle",
-                        env={"PYTHONPATH": str(site)})
-    caught = session.last_rc == 1  # pytest's "some tests failed", not a crash or a timeout
-    session.worst_rc = 0 if caught else 1
-    return f"{result} ({'caught' if caught else 'NOT caught'}: these tests must fail)"
+    return mutant_must_fail(session, "mutant", "tests/mutations/v-steps-densely.patch",
+                            "tests/backends/test_stage3_sparse_fa2.py", "-k", "permuted or tail_block_in_the_middle")
 
 
 FA3_TESTS = "tests/backends/test_stage4_fa3_sparse.py"

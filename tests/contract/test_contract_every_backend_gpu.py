@@ -15,35 +15,14 @@ import pytest
 import torch
 
 import flash_attn_sparse as fas
-from contract import BLOCK, causal_split_rows, check_batched, gapped_permuted, make_qkv, pack_rows, varlen_inputs
-from flash_attn_sparse import SparseBlocks, SparseInputError
-from flash_attn_sparse.backends import cute, fa3_ops
+from contract import BLOCK, attend, backend_present, causal_split_rows, check_batched, gapped_permuted, make_qkv, pack_rows, varlen_inputs
+from flash_attn_sparse import SparseBlocks
 from helpers import assert_close_to_reference, poison_allocator
 
 pytestmark = pytest.mark.gpu
 
 H, HK, D = 8, 2, 128
 TABLES = {"shared": 1, "per_kv_head": HK, "per_q_head": H}
-
-
-@pytest.fixture(params=["fa2", pytest.param("fa3", marks=pytest.mark.sm90), pytest.param("fa4", marks=pytest.mark.sm90)])
-def backend(request):
-    if request.param == "fa3" and (reason := fa3_ops.missing_build()):
-        pytest.skip(reason)
-    if request.param == "fa4" and (reason := cute.missing_runtime()):
-        pytest.skip(reason)
-    return request.param
-
-
-def attend(backend, call):
-    """call() (a forward with backend=backend), or a skip with the backend's refusal."""
-    try:
-        result = call()
-    except SparseInputError as refusal:
-        assert backend != "fa2", f"fa2 refused: {refusal}"
-        pytest.skip(f"{backend} refuses: {refusal}")
-    torch.cuda.synchronize()
-    return result
 
 
 def lists_with_the_tail(rng, batch, table_heads, m_blocks, n_blocks, keep=0.5):
@@ -221,10 +200,7 @@ def test_eager_and_graph_replay_are_bitwise_equal(name, shape):
     """The same call eagerly, as a one-shot call captured into a CUDA graph and replayed, and as a
     plan's run replayed: bitwise equal, whatever backends are installed (auto's choice does not
     depend on the capture)."""
-    if name == "fa3" and (reason := fa3_ops.missing_build()):
-        pytest.skip(reason)
-    if name == "fa4" and (reason := cute.missing_runtime()):
-        pytest.skip(reason)
+    backend_present(name)
     batch, seqlen_q, seqlen_k = (4, 16, 4000) if shape == "decode" else (1, 512, 4000)
     q, k, v = make_qkv(batch, seqlen_q, seqlen_k, H, HK, D, torch.bfloat16, seed=11)
     blocks, _ = sparse_blocks(lists_with_the_tail(random.Random(11), batch, HK, -(-seqlen_q // 128), 32, keep=0.4))

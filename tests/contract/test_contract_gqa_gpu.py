@@ -16,8 +16,9 @@ import torch
 
 import flash_attn_sparse as fas
 from contract import BLOCK, causal_split_rows, check_batched, gapped_permuted, make_qkv, pack_rows, varlen_inputs
-from flash_attn_sparse import SparseBlocks, SparseInputError
-from flash_attn_sparse.backends import cute, fa3_ops
+from contract import attend as contract_attend
+from flash_attn_sparse import SparseBlocks
+from flash_attn_sparse.backends import fa3_ops
 from flash_attn_sparse.reference import attention_ref, visibility_from_lists
 from helpers import max_err, poison_allocator
 
@@ -27,25 +28,9 @@ GROUPS = [1, 2, 3, 4, 5, 6, 7, 8, 16]
 HK, D = 2, 128
 
 
-@pytest.fixture(params=["fa2", pytest.param("fa3", marks=pytest.mark.sm90), pytest.param("fa4", marks=pytest.mark.sm90)])
-def backend(request):
-    if request.param == "fa3" and (reason := fa3_ops.missing_build()):
-        pytest.skip(reason)
-    if request.param == "fa4" and (reason := cute.missing_runtime()):
-        pytest.skip(reason)
-    return request.param
-
-
 def attend(backend, call):
-    """call() (a forward with backend=backend), or a skip with the backend's refusal (FA-2 and FA-3
-    run every case here, so a refusal there fails)."""
-    try:
-        result = call()
-    except SparseInputError as refusal:
-        assert backend == "fa4", f"{backend} refused: {refusal}"
-        pytest.skip(f"{backend} refuses: {refusal}")
-    torch.cuda.synchronize()
-    return result
+    """contract.attend; FA-2 and FA-3 run every case here, so a refusal there fails."""
+    return contract_attend(backend, call, must_run=("fa2", "fa3"))
 
 
 def table_heads(table, heads):
