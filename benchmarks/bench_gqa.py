@@ -27,7 +27,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import flash_attn_sparse as fas  # noqa: E402
-from bench_sparse import ROTATIONS, Shape, listed_kv, make_lists, source_commit, to_blocks  # noqa: E402
+from bench_sparse import ROTATIONS, Shape, eager_pass, fa3_dense_forward, listed_kv, make_lists, rotating, source_commit, to_blocks  # noqa: E402
 
 HEADS_K, HEAD_DIM = 8, 128
 REPLAYS = 40  # graph replays per method and pass, L2 flushed before each
@@ -75,24 +75,18 @@ def graph_replay_us(calls, flush) -> float:
 
 
 def eager_us(calls) -> float:
-    """us per call of EAGER_CALLS back-to-back eager calls (rotating), synchronized before and after."""
+    """us per call of back-to-back eager calls rotating through `calls` (bench_sparse.eager_pass)."""
     for call in calls:
         call()
-    torch.cuda.synchronize()
-    start = time.perf_counter()
-    for i in range(EAGER_CALLS):
-        calls[i % len(calls)]()
-    torch.cuda.synchronize()
-    return (time.perf_counter() - start) * 1e6 / EAGER_CALLS
+    return eager_pass(rotating(calls), EAGER_CALLS) * 1e3
 
 
 def dense_fa3():
-    from flash_attn_interface import flash_attn_func
-
-    def forward(q, k, v):
-        out = flash_attn_func(q, k, v, causal=False, num_splits=0, pack_gqa=True)
-        return out[0] if isinstance(out, tuple) else out
-    return forward
+    """Dense FA-3 (flash_attn_3's flash_attn_func, its own split count) with PackGQA on."""
+    forward, why_not = fa3_dense_forward()
+    if forward is None:
+        raise SystemExit(why_not)
+    return lambda q, k, v: forward(q, k, v, causal=False, pack_gqa=True)
 
 
 def run_sweep(args, written=lambda points: None) -> list:

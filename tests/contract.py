@@ -9,7 +9,7 @@ import math
 import pytest
 import torch
 
-from flash_attn_sparse import SparseInputError
+from flash_attn_sparse import SparseBlocks, SparseInputError
 from flash_attn_sparse.backends import cute, fa3_ops
 from flash_attn_sparse.reference import visibility_from_lists
 from helpers import assert_close_to_reference, batched_rows, random_qkv
@@ -48,6 +48,16 @@ def pack_rows(rows, capacity=None, pad=0):
                 cnt[b, h, m] = len(ids)
                 idx[b, h, m, :len(ids)] = torch.tensor(ids, dtype=torch.int32)
     return cnt.cuda(), idx.cuda()
+
+
+def sparse_blocks(full, mask=None, q_block=128):
+    """SparseBlocks of rows[b][h][m], full and mask tables of one width; and its four tensors."""
+    kinds = [full] + ([mask] if mask is not None else [])
+    width = max([len(row) for rows in kinds for per_b in rows for per_h in per_b for row in per_h] + [1])
+    full_cnt, full_idx = pack_rows(full, width)
+    mask_cnt, mask_idx = pack_rows(mask, width) if mask is not None else (None, None)
+    blocks = SparseBlocks(full_cnt, full_idx, mask_cnt, mask_idx, block_size=BLOCK, q_block_size=q_block)
+    return blocks, (full_cnt, full_idx, mask_cnt, mask_idx)
 
 
 def causal_split_rows(rng, batch, table_heads, m_blocks, q_block, seqlen_q, seqlen_k, keep):
@@ -162,3 +172,16 @@ def backend_present(name: str) -> None:
         pytest.skip(reason)
     if name == "fa4" and (reason := cute.missing_runtime()):
         pytest.skip(reason)
+
+
+def check_varlen(out, lse, q, k, v, seqlens_q, seqlens_k, per_seq, q_block, causal, scale):
+    """check_batched over each non-empty sequence of a varlen call (per_seq: varlen_inputs')."""
+    q_start = k_start = 0
+    for (sq, sk), (full, mask, width) in zip(zip(seqlens_q, seqlens_k), per_seq):
+        if sq:
+            check_batched(out[q_start:q_start + sq].unsqueeze(0), lse[:, q_start:q_start + sq].unsqueeze(0),
+                          q[q_start:q_start + sq].unsqueeze(0), k[k_start:k_start + sk].unsqueeze(0),
+                          v[k_start:k_start + sk].unsqueeze(0), *pack_rows([full], width), *pack_rows([mask], width),
+                          q_block, causal, scale)
+        q_start += sq
+        k_start += sk

@@ -120,3 +120,27 @@ def assert_captured_run_equals_direct(graphed, direct, q, k, v):
     reference_out = torch.empty_like(q)
     reference_lse = direct.run(q, k, v, reference_out)
     assert torch.equal(captured_out, reference_out) and torch.equal(captured_lse, reference_lse)
+
+
+def causal_lists(seqlen_q, seqlen_k, heads, block_size, q_block_size, density, rng):
+    """Per-(head, query tile) lists of a causal sparse pattern: the blocks a tile's rows can see
+    partly (around the diagonal) are "mask" blocks, a random share of the fully visible ones
+    are "full" blocks. Lists are shuffled: the FA-2 path does not rely on order."""
+    full, mask = [], []
+    offset = seqlen_k - seqlen_q
+    n_blocks = -(-seqlen_k // block_size)
+    for _ in range(heads):
+        full_h, mask_h = [], []
+        for m in range(-(-seqlen_q // q_block_size)):
+            first_row, last_row = m * q_block_size, min((m + 1) * q_block_size, seqlen_q) - 1
+            # Key blocks entirely visible to the tile's first row, and those some row can see.
+            historical = [b for b in range(n_blocks) if (b + 1) * block_size - 1 <= first_row + offset]
+            partial = [b for b in range(n_blocks) if b not in historical and b * block_size <= last_row + offset]
+            chosen = [b for b in historical if rng.random() < density]
+            rng.shuffle(chosen)
+            rng.shuffle(partial)
+            full_h.append(chosen)
+            mask_h.append(partial)
+        full.append(full_h)
+        mask.append(mask_h)
+    return full, mask

@@ -14,8 +14,6 @@ choice of it holds in both modes. The crossover behind the two thresholds: docs/
 
 from typing import Optional, Tuple
 
-import torch
-
 from .backends import BACKENDS
 from .calls import SparseCall
 from .metadata import SparseInputError, fail
@@ -64,9 +62,3 @@ def fa3_reason(call: SparseCall) -> Optional[str]:
 def query_rows(call: SparseCall) -> float:
     """Query rows per sequence (a varlen call's on average)."""
     return call.q.shape[0] / max(call.batch, 1) if call.varlen else call.max_seqlen_q
-
-
-def capturing() -> bool:
-    """Whether the current CUDA stream is being captured into a graph (is_initialized, not
-    is_available: no capture without torch's CUDA state, and is_available counts devices per call)."""
-    return torch.cuda.is_initialized() and torch.cuda.is_current_stream_capturing()

@@ -177,7 +177,7 @@ def test_query_tiles_and_pack_gqa(q_block_size, heads, heads_k, table):
 @pytest.mark.parametrize("seqlen_q,q_block_size,num_splits", [(16, 128, 0), (48, 32, 3), (200, 64, 2), (384, 128, 0)])
 def test_packed_split_calls_map_64_row_tiles_onto_their_query_blocks(seqlen_q, q_block_size, num_splits, head_dim,
                                                                       causal):
-    """Packed split calls run 64-row tiles: 16 query rows of a K/V head's 4 heads per
+    """Packed split calls take 64-row tiles: 16 query rows of a K/V head's 4 heads per
     tile, so 2-8 tiles share one list row here, and a tile's rows end mid-way through a 128-row
     one. At Sq384 the automatic count over 48 tiles of 128 rows is 2 and over 96 of 64 rows 1: the
     host keeps two splits on the 64-row kernel (a 128-row tile there would be a kernel the build

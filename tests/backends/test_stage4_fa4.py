@@ -15,7 +15,6 @@ import sys
 
 import pytest
 import torch
-from test_stage6_varlen_causal import causal_lists
 
 import flash_attn_sparse as fas
 from flash_attn_sparse import SparseBlocks, SparseInputError, routing
@@ -23,7 +22,7 @@ from flash_attn_sparse.backends import cute, fa3_ops, fa4
 from flash_attn_sparse.metadata import pack_varlen_lists
 from flash_attn_sparse.options import CallOptions
 from flash_attn_sparse.reference import block_positions, visibility_from_lists
-from helpers import assert_close_to_reference, max_err, poison_allocator, random_qkv
+from helpers import assert_close_to_reference, causal_lists, max_err, poison_allocator, random_qkv
 
 pytestmark = pytest.mark.stage4
 

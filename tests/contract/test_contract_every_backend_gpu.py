@@ -15,7 +15,19 @@ import pytest
 import torch
 
 import flash_attn_sparse as fas
-from contract import BLOCK, attend, backend_present, causal_split_rows, check_batched, gapped_permuted, make_qkv, pack_rows, varlen_inputs
+from contract import (
+    BLOCK,
+    attend,
+    backend_present,
+    causal_split_rows,
+    check_batched,
+    check_varlen,
+    gapped_permuted,
+    make_qkv,
+    pack_rows,
+    sparse_blocks,
+    varlen_inputs,
+)
 from flash_attn_sparse import SparseBlocks
 from helpers import assert_close_to_reference, poison_allocator
 
@@ -29,16 +41,6 @@ def lists_with_the_tail(rng, batch, table_heads, m_blocks, n_blocks, keep=0.5):
     """rows[b][h][m]: gapped, permuted ids, each row holding the partial tail block somewhere."""
     return [[[gapped_permuted(rng, n_blocks, keep, must=[n_blocks - 1]) for _ in range(m_blocks)]
              for _ in range(table_heads)] for _ in range(batch)]
-
-
-def sparse_blocks(full, mask=None, q_block=128):
-    """SparseBlocks of rows[b][h][m], full and mask tables of one width; and its four tensors."""
-    kinds = [full] + ([mask] if mask is not None else [])
-    width = max([len(row) for rows in kinds for per_b in rows for per_h in per_b for row in per_h] + [1])
-    full_cnt, full_idx = pack_rows(full, width)
-    mask_cnt, mask_idx = pack_rows(mask, width) if mask is not None else (None, None)
-    blocks = SparseBlocks(full_cnt, full_idx, mask_cnt, mask_idx, block_size=BLOCK, q_block_size=q_block)
-    return blocks, (full_cnt, full_idx, mask_cnt, mask_idx)
 
 
 def scale_of(q):
@@ -103,15 +105,7 @@ def test_varlen_with_ragged_and_empty_sequences(backend, table, causal):
     out, lse = attend(backend, lambda: fas.flash_attn_varlen_with_sparse_blocks(
         q, k, v, blocks, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=max_q, max_seqlen_k=max_k, causal=causal,
         backend=backend))
-    q_start = k_start = 0
-    for (sq, sk), (full, mask, width) in zip(zip(seqlens_q, seqlens_k), per_seq):
-        if sq:
-            check_batched(out[q_start:q_start + sq].unsqueeze(0), lse[:, q_start:q_start + sq].unsqueeze(0),
-                          q[q_start:q_start + sq].unsqueeze(0), k[k_start:k_start + sk].unsqueeze(0),
-                          v[k_start:k_start + sk].unsqueeze(0), *pack_rows([full], width), *pack_rows([mask], width),
-                          q_block, causal, scale_of(q))
-        q_start += sq
-        k_start += sk
+    check_varlen(out, lse, q, k, v, seqlens_q, seqlens_k, per_seq, q_block, causal, scale_of(q))
 
 
 @pytest.mark.parametrize("table", ["per_kv_head", "per_q_head"])

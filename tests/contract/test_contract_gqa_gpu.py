@@ -15,7 +15,16 @@ import pytest
 import torch
 
 import flash_attn_sparse as fas
-from contract import BLOCK, causal_split_rows, check_batched, gapped_permuted, make_qkv, pack_rows, varlen_inputs
+from contract import (
+    BLOCK,
+    causal_split_rows,
+    check_batched,
+    check_varlen,
+    gapped_permuted,
+    make_qkv,
+    sparse_blocks,
+    varlen_inputs,
+)
 from contract import attend as contract_attend
 from flash_attn_sparse import SparseBlocks
 from flash_attn_sparse.backends import fa3_ops
@@ -37,16 +46,6 @@ def table_heads(table, heads):
     return {"shared": 1, "per_kv_head": HK, "per_q_head": heads}[table]
 
 
-def blocks_of(full, mask=None, q_block=None):
-    """SparseBlocks of rows[b][h][m] (full and mask tables of one width) and its four tensors."""
-    kinds = [full] + ([mask] if mask is not None else [])
-    width = max([len(row) for rows in kinds for per_b in rows for per_h in per_b for row in per_h] + [1])
-    full_cnt, full_idx = pack_rows(full, width)
-    mask_cnt, mask_idx = pack_rows(mask, width) if mask is not None else (None, None)
-    return (SparseBlocks(full_cnt, full_idx, mask_cnt, mask_idx, block_size=BLOCK, q_block_size=q_block),
-            (full_cnt, full_idx, mask_cnt, mask_idx))
-
-
 @pytest.mark.parametrize("num_splits", [1, 3])
 @pytest.mark.parametrize("table", ["shared", "per_kv_head", "per_q_head"])
 @pytest.mark.parametrize("seqlen_q", [1, 3, 7, 13])
@@ -56,7 +55,7 @@ def test_every_group_at_decode_with_the_tail_anywhere(backend, group, seqlen_q, 
     q, k, v = make_qkv(batch, seqlen_q, seqlen_k, heads, HK, D, torch.bfloat16, seed=group * 100 + seqlen_q)
     rng = random.Random(f"{group}-{seqlen_q}-{table}")
     full = [[[gapped_permuted(rng, 8, 0.5, must=[7])] for _ in range(table_heads(table, heads))] for _ in range(batch)]
-    blocks, tables = blocks_of(full)
+    blocks, tables = sparse_blocks(full, q_block=None)
     if backend == "fa3" and table != "per_q_head":
         assert fa3_ops.packed_group(q, k, blocks, seqlen_q) == group  # packed whatever the group
     poison_allocator((q.shape, q.dtype))
@@ -73,7 +72,7 @@ def test_chunked_prefill_reads_each_query_tiles_own_list(backend, group, num_spl
     batch, seqlen_q, seqlen_k, heads = 2, 300, 1000, HK * group
     q, k, v = make_qkv(batch, seqlen_q, seqlen_k, heads, HK, D, torch.bfloat16, seed=group)
     full, mask = causal_split_rows(random.Random(group), batch, HK, 3, 128, seqlen_q, seqlen_k, keep=0.6)
-    blocks, tables = blocks_of(full, mask, q_block=128)
+    blocks, tables = sparse_blocks(full, mask)
     poison_allocator((q.shape, q.dtype))
     out, lse = attend(backend, lambda: fas.flash_attn_with_sparse_block_table(q, k, v, blocks, causal=True,
                                                                                num_splits=num_splits, backend=backend))
@@ -94,15 +93,7 @@ def test_varlen_with_an_empty_sequence(backend, group, seqlens_q):
     out, lse = attend(backend, lambda: fas.flash_attn_varlen_with_sparse_blocks(
         q, k, v, blocks, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=max_q, max_seqlen_k=max_k, causal=True,
         backend=backend))
-    q_start = k_start = 0
-    for (sq, sk), (full, mask, width) in zip(zip(seqlens_q, seqlens_k), per_seq):
-        if sq:
-            check_batched(out[q_start:q_start + sq].unsqueeze(0), lse[:, q_start:q_start + sq].unsqueeze(0),
-                          q[q_start:q_start + sq].unsqueeze(0), k[k_start:k_start + sk].unsqueeze(0),
-                          v[k_start:k_start + sk].unsqueeze(0), *pack_rows([full], width), *pack_rows([mask], width),
-                          128, True, D ** -0.5)
-        q_start += sq
-        k_start += sk
+    check_varlen(out, lse, q, k, v, seqlens_q, seqlens_k, per_seq, 128, True, D ** -0.5)
 
 
 @pytest.mark.parametrize("num_splits", [1, 3])
@@ -113,7 +104,7 @@ def test_a_nan_row_stays_in_its_own_head(backend, group, num_splits):
     batch, seqlen_q, seqlen_k, heads = 2, 13, 1000, HK * group
     q, k, v = make_qkv(batch, seqlen_q, seqlen_k, heads, HK, D, torch.bfloat16, seed=group)
     ids = [[[[6, 1, 7, 3]] for _ in range(HK)] for _ in range(batch)]
-    blocks, (full_cnt, full_idx, _, _) = blocks_of(ids)
+    blocks, (full_cnt, full_idx, _, _) = sparse_blocks(ids, q_block=None)
     q[0, 5, group + 1, 9] = float("nan")  # a head of K/V head 1, mid tile
     k[1, 3 * BLOCK + 2, 0, 4] = float("nan")  # listed, K/V head 0 of batch 1
     out, lse = attend(backend, lambda: fas.flash_attn_with_sparse_block_table(q, k, v, blocks, num_splits=num_splits,

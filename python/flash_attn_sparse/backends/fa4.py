@@ -124,7 +124,7 @@ def choose_num_splits(*, max_splits: int, list_blocks: int, **work) -> int:
 
 
 def small_tile(q: Tensor, k: Tensor, blocks: SparseBlocks, *, max_seqlen_q: int) -> bool:
-    """Whether a fixed-length call runs 64-row tiles (one consumer warpgroup): its packed query
+    """Whether a fixed-length call takes 64-row tiles (one consumer warpgroup): its packed query
     rows fit 64, so a 128-row tile would compute at least half of its WGMMA rows for nothing."""
     return not blocks.is_varlen and max_seqlen_q <= SMALL_TILE_ROWS and \
         rows_per_tile(q, k, blocks, max_seqlen_q=max_seqlen_q) <= SMALL_TILE_ROWS

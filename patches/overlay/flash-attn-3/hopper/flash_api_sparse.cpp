@@ -171,7 +171,7 @@ SparseLaunch prepare_sparse(
     TORCH_CHECK((varlen ? full_idx.size(0) : full_idx.size(1)) == table_heads, "full_idx must have the head extent of full_cnt");
 
     // Tile: the host copy of the launch template's choice. Packing is decided on the 128-row tile;
-    // a packed split call then runs 64-row tiles (below), which split the 128-row ones.
+    // a packed split call then takes 64-row tiles (below), which split the 128-row ones.
     // Under PackGQA, packed row r of a sequence is query r / group of head r % group (upstream's
     // layout, any group). A tile must not straddle two list rows, since it reads one list: so
     // either one list row covers every query, or a list row's packed rows fill whole tiles.
