@@ -15,9 +15,9 @@ Profiles (the FLASH_ATTENTION_DISABLE_* variables of hopper/setup.py, patch flas
   and varlen kept; no paged non-TMA K/V, softcap, local, append-KV, fp8, clusters, SM8x kernels.
   That is DEV_KERNELS (12 units) + flash_api.cpp, flash_fwd_combine.cu, flash_prepare_scheduler.cu
   (those two for sm90a alone: SM80 is off),
-  and the sparse path (patches flash-attn-3/0002-0003): DEV_SPARSE_KERNELS (16 units, written by
+  and the sparse path (patches flash-attn-3/0002-0003): DEV_SPARSE_KERNELS (20 units, written by
   setup.py from generate_kernels_sparse.py) + flash_api_sparse.cpp, and cuda_driver_entry_points.cpp
-  (patch flash-attn-3/0009): 33 units in all.
+  (patch flash-attn-3/0009): 37 units in all.
 - full: upstream's FA-3 matrix.
 """
 
@@ -49,8 +49,9 @@ DEV_OFF = ["BACKWARD", "PAGEDKV", "APPENDKV", "LOCAL", "SOFTCAP", "FP8", "CLUSTE
            "HDIM96", "HDIM192", "HDIM256", "HDIMDIFF"]
 DEV_KERNELS = [f"flash_fwd_hdim{d}_{t}{kind}_sm90.cu"
                for d in (64, 128) for t in ("bf16", "fp16") for kind in ("", "_split", "_packgqa")]
-DEV_SPARSE_KERNELS = [f"flash_fwd_hdim{d}_{t}{packgqa}{split}_sparse_sm90.cu" for t in ("fp16", "bf16")
-                      for d in (64, 128) for packgqa in ("", "_packgqa") for split in ("", "_split")]
+DEV_SPARSE_KERNELS = [f"flash_fwd_hdim{d}_{t}{packgqa}{split}{rows}_sparse_sm90.cu" for t in ("fp16", "bf16")
+                      for d in (64, 128) for packgqa in ("", "_packgqa") for split in ("", "_split")
+                      for rows in ("", "_m64") if not rows or (packgqa and split)]
 PROFILES = {"dev": {f"FLASH_ATTENTION_DISABLE_{flag}": "TRUE" for flag in DEV_OFF}, "full": {}}
 
 

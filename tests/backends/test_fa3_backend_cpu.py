@@ -3,7 +3,6 @@
 extension's fwd_into on the eager launcher, the ops fwd (allocates out) / fwd_out (writes the
 caller's out, no copy) on the traceable path. The kernel itself: test_stage4_fa3_sparse.py."""
 
-from pathlib import Path
 
 import pytest
 import torch
@@ -43,18 +42,11 @@ def lists(width=3, mask_width=None):
     (1, 1, 128, 16, False),  # no GQA: nothing to pack
 ])
 def test_query_heads_pack_where_no_tile_straddles_two_list_rows(group, list_heads, q_block_size, seqlen_q, packs):
-    """The host's PackGQA rule (flash_api_sparse.cpp mirrors it) for any group: lists shared by
+    """The host's PackGQA rule (sparse_kernel_choice.h; test_sparse_kernel_choice.py compiles it
+    and compares) for any group: lists shared by
     the group, and either one list row for every query or list rows of whole 128-row tiles."""
     num_heads = 8 * group if list_heads != 32 else 32
     assert fa3_ops._packs_query_heads(group, list_heads, num_heads, q_block_size, seqlen_q) is packs
-
-
-def test_the_cpp_host_states_the_same_rule():
-    source = (Path(__file__).parents[2] / "patches/overlay/flash-attn-3/hopper/flash_api_sparse.cpp").read_text()
-    assert "bool const one_list_row = q_block_size >= seqlen_q;" in source
-    assert "bool const packed_rows_fill_tiles = one_list_row || (q_block_size * group) % kBlockM == 0;" in source
-    assert "sp.tiles_per_row = one_list_row ? kOneListRow : int(int64_t(q_block_size) * (pack ? group : 1) / tile_m);" in source
-    assert fa3_ops.TILE_M == 128
 
 
 def test_groups_1_2_4_8_16_pack_as_before_at_128_row_lists():

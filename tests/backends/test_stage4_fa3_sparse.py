@@ -175,13 +175,12 @@ def test_query_tiles_and_pack_gqa(q_block_size, heads, heads_k, table):
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("head_dim", [64, 128])
 @pytest.mark.parametrize("seqlen_q,q_block_size,num_splits", [(16, 128, 0), (48, 32, 3), (200, 64, 2), (384, 128, 0)])
-def test_packed_split_calls_map_64_row_tiles_onto_their_query_blocks(seqlen_q, q_block_size, num_splits, head_dim,
-                                                                      causal):
-    """Packed split calls take 64-row tiles: 16 query rows of a K/V head's 4 heads per
-    tile, so 2-8 tiles share one list row here, and a tile's rows end mid-way through a 128-row
-    one. At Sq384 the automatic count over 48 tiles of 128 rows is 2 and over 96 of 64 rows 1: the
-    host keeps two splits on the 64-row kernel (a 128-row tile there would be a kernel the build
-    does not have)."""
+def test_packed_split_calls_map_their_tiles_onto_their_query_blocks(seqlen_q, q_block_size, num_splits, head_dim,
+                                                                     causal):
+    """Packed split calls (a K/V head's 4 query heads per tile): 64 packed rows at Sq16 take the
+    64-row decode tile; more take 128-row tiles, so that at q_block_size 32 one tile covers one
+    list row's 128 packed rows, and at 64 two tiles share a list row, the second starting mid-way
+    through its query block (sparse_kernel_choice.h)."""
     batch, heads, heads_k, seqlen_k = 2, 8, 2, 1000
     rng = random.Random(seqlen_q * 31 + head_dim + causal)
     q, k, v = make_qkv(batch, seqlen_q, seqlen_k, heads, heads_k, head_dim, torch.bfloat16, seed=rng.randrange(1 << 30))

@@ -83,7 +83,7 @@ def patched_hopper(tmp_path_factory) -> Path:
 
 def test_dev_kernels_are_what_the_patched_setup_compiles(patched_hopper: Path, tmp_path, monkeypatch):
     """The source list of hopper/setup.py (patches flash-attn-3/0001, 0003, 0009) under the dev
-    variables, by running its list-building lines: 12 dense kernel units, the 16 sparse units it
+    variables, by running its list-building lines: 12 dense kernel units, the 20 sparse units it
     writes from generate_kernels_sparse.py (here into tmp_path), flash_api and flash_api_sparse,
     combine and scheduler, and the driver entry points CUTLASS's TMA descriptors call (0009)."""
     hopper = patched_hopper
@@ -101,7 +101,7 @@ def test_dev_kernels_are_what_the_patched_setup_compiles(patched_hopper: Path, t
     exec("import itertools\n" + "\n".join(line[4:] for line in body.splitlines()), scope)  # noqa: S102 -- runs setup.py's own list-building lines
     kernels = sorted(Path(s).name for s in scope["sources"] if s.startswith("instantiations/"))
     assert kernels == sorted(build_fa3.DEV_KERNELS + build_fa3.DEV_SPARSE_KERNELS)
-    assert len(kernels) == 28
+    assert len(kernels) == 32
     assert sorted(p.name for p in (tmp_path / "instantiations").iterdir()) == sorted(build_fa3.DEV_SPARSE_KERNELS)
     assert set(scope["sources"]) - {f"instantiations/{k}" for k in kernels} == {
         "flash_api.cpp", "flash_api_sparse.cpp", "flash_fwd_combine.cu", "flash_prepare_scheduler.cu",

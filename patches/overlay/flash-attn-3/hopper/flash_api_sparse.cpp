@@ -29,6 +29,7 @@
 #include "flash.h"
 #include "kernel_launch_sink.h"
 #include "planned_kernel_graph.h"
+#include "sparse_kernel_choice.h"
 
 // From flash_api.cpp.
 void set_params_fprop(Flash_fwd_params &params, const size_t b, const size_t seqlen_q, const size_t seqlen_k,
@@ -39,12 +40,10 @@ void set_params_fprop(Flash_fwd_params &params, const size_t b, const size_t seq
                       int window_size_right, int attention_chunk, const float softcap, const int sm_margin);
 void run_mha_fwd_combine(Flash_fwd_params &params, cudaStream_t stream, bool enable_pdl);
 
-template <typename T, int kHeadDim, bool Split, bool PackGQA>
+template <typename T, int kHeadDim, bool Split, bool PackGQA, int kBlockM>
 void run_mha_fwd_sparse_(Flash_fwd_params &params, cudaStream_t stream);
 
 namespace {
-
-constexpr int kSparseMaxSplits = 128;
 
 void check_table(const c10::optional<at::Tensor> &t, const char *name, const at::Tensor &q, int64_t dim) {
     if (!t.has_value()) { return; }
@@ -61,18 +60,21 @@ void run_sparse_of_type(Flash_fwd_params &params, cudaStream_t stream) {
 #ifndef FLASHATTENTION_DISABLE_SPLIT
         if (params.pack_gqa) {
 #ifndef FLASHATTENTION_DISABLE_PACKGQA
-            return run_mha_fwd_sparse_<T, kHeadDim, true, true>(params, stream);
+            if (params.sparse.block_m == kSparseBlockMDecode) {
+                return run_mha_fwd_sparse_<T, kHeadDim, true, true, kSparseBlockMDecode>(params, stream);
+            }
+            return run_mha_fwd_sparse_<T, kHeadDim, true, true, kSparseBlockM>(params, stream);
 #endif
         } else {
-            return run_mha_fwd_sparse_<T, kHeadDim, true, false>(params, stream);
+            return run_mha_fwd_sparse_<T, kHeadDim, true, false, kSparseBlockM>(params, stream);
         }
 #endif
     } else if (params.pack_gqa) {
 #ifndef FLASHATTENTION_DISABLE_PACKGQA
-        return run_mha_fwd_sparse_<T, kHeadDim, false, true>(params, stream);
+        return run_mha_fwd_sparse_<T, kHeadDim, false, true, kSparseBlockM>(params, stream);
 #endif
     } else {
-        return run_mha_fwd_sparse_<T, kHeadDim, false, false>(params, stream);
+        return run_mha_fwd_sparse_<T, kHeadDim, false, false, kSparseBlockM>(params, stream);
     }
     TORCH_CHECK(false, "this build has no sparse kernel for num_splits=", params.num_splits, ", pack_gqa=", params.pack_gqa);
 }
@@ -94,14 +96,6 @@ void run_sparse(Flash_fwd_params &params, cudaStream_t stream) {
     return run_sparse_of_dim<cutlass::half_t>(params, stream);
 #endif
     TORCH_CHECK(false, "this build has no fp16 sparse kernels");
-}
-
-// Splits when the tiles leave SMs idle: at most one split per two list blocks of the longest
-// possible list (a bound from shapes, no host sync).
-int auto_num_splits(int num_tiles, int num_sm, int max_list_blocks) {
-    if (num_tiles >= num_sm) { return 1; }
-    int const by_sms = num_sm / std::max(num_tiles, 1);
-    return std::max(1, std::min({by_sms, max_list_blocks / 2, kSparseMaxSplits}));
 }
 
 }  // namespace
@@ -170,23 +164,26 @@ SparseLaunch prepare_sparse(
                 "list head extent must be 1, num_heads_k or num_heads, got ", table_heads);
     TORCH_CHECK((varlen ? full_idx.size(0) : full_idx.size(1)) == table_heads, "full_idx must have the head extent of full_cnt");
 
-    // Tile: the host copy of the launch template's choice. Packing is decided on the 128-row tile;
-    // a packed split call then takes 64-row tiles (below), which split the 128-row ones.
-    // Under PackGQA, packed row r of a sequence is query r / group of head r % group (upstream's
-    // layout, any group). A tile must not straddle two list rows, since it reads one list: so
-    // either one list row covers every query, or a list row's packed rows fill whole tiles.
-    constexpr int kBlockM = std::get<0>(flash::tile_size_fwd_sm90_sparse(128, false, false));
-    constexpr int kBlockMPackedSplit = std::get<0>(flash::tile_size_fwd_sm90_sparse(128, true, true));
-    static_assert(kBlockM % kBlockMPackedSplit == 0, "list rows that fill 128-row tiles must fill packed split tiles");
-    int const group = num_heads / num_heads_k;
-    bool const one_list_row = q_block_size >= seqlen_q;
-    bool const can_pack = table_heads != num_heads || group == 1;
-    bool const packed_rows_fill_tiles = one_list_row || (q_block_size * group) % kBlockM == 0;
-    bool const pack = group > 1 && can_pack && packed_rows_fill_tiles && pack_gqa.value_or(true);
-    TORCH_CHECK(!(pack_gqa.value_or(false) && group > 1 && !pack),
-                "pack_gqa needs shared or per-K/V-head lists, and one list row for all queries or q_block_size * group a multiple of ", kBlockM);
-    TORCH_CHECK(q_block_size > 0 && (one_list_row || pack || q_block_size % kBlockM == 0),
-                "q_block_size must be a positive multiple of ", kBlockM, " here (or cover every query row)");
+    // Packing, splits and tile rows (sparse_kernel_choice.h), and what the build lacks, refused here.
+    int const n_blocks_k = (seqlen_k + kSparseBlockSize - 1) / kSparseBlockSize;
+    SparseCallShape shape;
+    shape.batch_size = batch_size;
+    shape.num_heads = num_heads;
+    shape.num_heads_k = num_heads_k;
+    shape.table_heads = table_heads;
+    shape.seqlen_q = seqlen_q;
+    shape.q_block_size = int(std::min<int64_t>(q_block_size, std::numeric_limits<int>::max()));
+    shape.head_dim = head_size;
+    shape.fp16 = q_type == at::kHalf;
+    shape.varlen = varlen;
+    shape.max_list_blocks = varlen ? n_blocks_k
+        : std::min<int>(n_blocks_k, full_idx.size(3) * (mask_idx.has_value() ? 2 : 1));
+    C10_CUDA_CHECK(cudaDeviceGetAttribute(&shape.num_sm, cudaDevAttrMultiProcessorCount, q.get_device()));
+    shape.num_splits = int(std::clamp<int64_t>(num_splits, -1, kSparseMaxSplits));
+    shape.pack_gqa = pack_gqa.has_value() ? int(*pack_gqa) : -1;
+    SparseKernelChoice const choice = choose_sparse_kernel(shape);
+    TORCH_CHECK(choice.refusal.empty(), choice.refusal);
+    bool const pack = choice.pack;
     if (!varlen) {
         TORCH_CHECK(full_cnt.size(0) == batch_size, "full_cnt: batch extent must be ", batch_size);
         TORCH_CHECK(full_idx.sizes().slice(0, 3) == full_cnt.sizes(), "full_idx: leading dims must be full_cnt's");
@@ -242,30 +239,9 @@ SparseLaunch prepare_sparse(
     // bidh in the kernel is the query head, or the K/V head under PackGQA.
     sp.head_ratio = (pack ? num_heads_k : num_heads) / table_heads;
 
-    auto num_tiles = [&](int tile_m) {
-        return batch_size * (pack ? num_heads_k : num_heads) * ((seqlen_q * (pack ? group : 1) + tile_m - 1) / tile_m);
-    };
-    int const n_blocks_k = (seqlen_k + kSparseBlockSize - 1) / kSparseBlockSize;
-    int const max_list_blocks = varlen ? n_blocks_k
-        : std::min<int>(n_blocks_k, full_idx.size(3) * (mask_idx.has_value() ? 2 : 1));
-    int splits = num_splits > 0 ? int(std::min<int64_t>(num_splits, kSparseMaxSplits))
-                                : auto_num_splits(num_tiles(kBlockM), params.num_sm, max_list_blocks);
-    int tile_m = kBlockM;
-    if (pack && splits > 1) {
-        // The packed split kernel has 64-row tiles. Whether to split stays the 128-row tiles'
-        // answer; an automatic count is taken again over the 64-row ones (more of them when the
-        // packed rows exceed 64), at least two.
-        tile_m = kBlockMPackedSplit;
-        if (num_splits <= 0) {
-            splits = std::max(2, auto_num_splits(num_tiles(tile_m), params.num_sm, max_list_blocks));
-        }
-    }
-    params.num_splits = splits;
-    // One list row for every query: every tile reads row 0 (m_block / kOneListRow).
-    sp.tiles_per_row = one_list_row ? kOneListRow : int(int64_t(q_block_size) * (pack ? group : 1) / tile_m);
-#ifdef FLASHATTENTION_DISABLE_SPLIT
-    TORCH_CHECK(params.num_splits == 1, "This flash attention build does not support splits.");
-#endif
+    params.num_splits = choice.num_splits;
+    sp.block_m = choice.block_m;
+    sp.tiles_per_row = choice.tiles_per_row;
 
     at::Tensor &out_accum = launch.out_accum, &lse_accum = launch.lse_accum;
     if (params.num_splits > 1) {

@@ -9,14 +9,16 @@
 
 #include "flash_fwd_launch_template.h"
 
-template <typename T, int kHeadDim, bool Split, bool PackGQA>
+template <typename T, int kHeadDim, bool Split, bool PackGQA, int kBlockM>
 void run_mha_fwd_sparse_(Flash_fwd_params &params, cudaStream_t stream) {
     static_assert(sizeof(T) == 2 && kHeadDim <= 128, "sparse kernels: 16-bit types, head dim 64 or 128");
+    static_assert(kBlockM == kSparseBlockM || (kBlockM == kSparseBlockMDecode && Split && PackGQA),
+                  "64-row sparse tiles are instantiated for packed split calls only");
     BOOL_SWITCH(params.is_causal, Is_causal, [&] {
         VARLEN_SWITCH(params.cu_seqlens_q || params.cu_seqlens_k || params.seqused_q || params.seqused_k, Varlen, [&] {
             run_flash_fwd<90, kHeadDim, kHeadDim, 1 /*ClusterM*/, T, T, Is_causal, false /*Is_local*/, false /*Has_softcap*/,
                           Varlen, false /*PagedKVNonTMA*/, false /*AppendKV*/, false /*HasQv*/, PackGQA, Split,
-                          false /*V_colmajor*/, true /*Sparse*/>(params, stream);
+                          false /*V_colmajor*/, kBlockM /*SparseBlockM*/>(params, stream);
         });
     });
 }

@@ -1,5 +1,6 @@
 """Instantiations of the sparse SM90 forward (flash_fwd_sparse_launch_template.h): head dims 64
-and 128, fp16 and bf16, with and without PackGQA (shared and per-K/V-head lists) and split-KV.
+and 128, fp16 and bf16, with and without PackGQA (shared and per-K/V-head lists) and split-KV, in
+128-row tiles, and packed split calls also in 64-row tiles (`_m64`, decode: sparse_params.h).
 
 They are not carried as files: setup.py calls write_sparse_kernels() for the units its DISABLE
 flags keep, and generate_kernels.py writes all of them beside the dense ones."""
@@ -23,7 +24,7 @@ SPARSE_TEMPLATE = """#include "flash_fwd_sparse_launch_template.h"
 
 #ifndef FLASHATTENTION_DISABLE_SPARSE
 #ifndef FLASHATTENTION_DISABLE_HDIM{HEAD_DIM}
-template void run_mha_fwd_sparse_<{DTYPE}, {HEAD_DIM}, {SPLIT}, {PACKGQA}>(Flash_fwd_params &params, cudaStream_t stream);
+template void run_mha_fwd_sparse_<{DTYPE}, {HEAD_DIM}, {SPLIT}, {PACKGQA}, {BLOCK_M}>(Flash_fwd_params &params, cudaStream_t stream);
 #endif
 #endif
 """
@@ -31,10 +32,12 @@ template void run_mha_fwd_sparse_<{DTYPE}, {HEAD_DIM}, {SPLIT}, {PACKGQA}>(Flash
 
 def sparse_kernels():
     for dtype, head_dim, packgqa, split in itertools.product(SPARSE_DTYPES, SPARSE_HEAD_DIMENSIONS, [False, True], [False, True]):
-        filename = f"flash_fwd_hdim{head_dim}_{dtype}{'_packgqa' if packgqa else ''}{'_split' if split else ''}_sparse_sm90.cu"
-        template = SPARSE_TEMPLATE.format(DTYPE=SPARSE_DTYPES[dtype], HEAD_DIM=head_dim,
-                                          SPLIT=str(split).lower(), PACKGQA=str(packgqa).lower())
-        yield SparseKernel(template, filename)
+        for block_m in [128, 64] if packgqa and split else [128]:
+            filename = (f"flash_fwd_hdim{head_dim}_{dtype}{'_packgqa' if packgqa else ''}{'_split' if split else ''}"
+                        f"{'_m64' if block_m == 64 else ''}_sparse_sm90.cu")
+            template = SPARSE_TEMPLATE.format(DTYPE=SPARSE_DTYPES[dtype], HEAD_DIM=head_dim, SPLIT=str(split).lower(),
+                                              PACKGQA=str(packgqa).lower(), BLOCK_M=block_m)
+            yield SparseKernel(template, filename)
 
 
 def write_sparse_kernels(output_dir, keep=lambda filename: True):

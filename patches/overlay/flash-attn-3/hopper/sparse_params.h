@@ -28,6 +28,9 @@ struct SparseBlockParams {
     // Kernel query tiles per list row (packed rows of a list row / rows of one kernel tile), or
     // kOneListRow when one list row covers every query.
     int tiles_per_row = 1;
+    // kBlockM of the kernel the host chose (kSparseBlockM or kSparseBlockMDecode); the launch
+    // dispatches on it.
+    int block_m = 0;
 };
 
 // Keys per list block; the kernels' kBlockN equals it.
@@ -35,16 +38,19 @@ constexpr int kSparseBlockSize = 128;
 // tiles_per_row when every tile of a sequence reads its one list row.
 constexpr int kOneListRow = 1 << 30;
 
+// Query rows of a sparse tile: 128, or 64 (one MMA warpgroup, half the matmul work of each
+// memory-bound step) for PackGQA split calls whose packed rows fit in 64 (decode). Packed split
+// calls of more rows take 128 so that one tile, not two, reads each listed K/V block.
+constexpr int kSparseBlockM = 128;
+constexpr int kSparseBlockMDecode = 64;
+
 namespace flash {
 
-// Tile of the sparse kernels, {kBlockM, kBlockN, MmaPV_is_RS, IntraWGOverlap}, used by the
-// launch template and by the host entry point (flash_api_sparse.cpp). Head dim 128 takes its
-// dense causal configuration; head dim 64 takes 128 query rows instead of the dense 192, so that
-// query tiles of 128 rows map onto whole kernel tiles. PackGQA split calls are decode-shaped (few
-// packed rows per K/V head, too few tiles to fill the SMs): they take 64 rows, one MMA warpgroup,
-// which halves the matmul work of each memory-bound step (B8 Sq16 H32/8 packs 64 rows).
-constexpr std::tuple<int, int, bool, bool> tile_size_fwd_sm90_sparse(int /*headdim*/, bool split, bool pack_gqa) {
-    return {split && pack_gqa ? 64 : 128, kSparseBlockSize, true, true};
+// Tile of the sparse kernels, {kBlockM, kBlockN, MmaPV_is_RS, IntraWGOverlap}, for kBlockM query
+// rows: head dim 128's dense causal configuration; head dim 64 takes 128 rows instead of the dense
+// 192, so that query tiles of 128 rows map onto whole kernel tiles.
+constexpr std::tuple<int, int, bool, bool> tile_size_fwd_sm90_sparse(int block_m) {
+    return {block_m, kSparseBlockSize, true, true};
 }
 
 }  // namespace flash
