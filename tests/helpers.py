@@ -144,3 +144,35 @@ def causal_lists(seqlen_q, seqlen_k, heads, block_size, q_block_size, density, r
         full.append(full_h)
         mask.append(mask_h)
     return full, mask
+
+
+SKEWED_LIST_LENGTHS = (0, 1, 2, 3, 33, 70)  # empty, a few, and long lists side by side in one call
+
+
+def skewed_rows(rng, table_heads, seqlen_q, seqlen_k, causal, block_size=128, q_block_size=128, lengths=SKEWED_LIST_LENGTHS):
+    """(full, mask)[hs][m] of one sequence: each (table head, query tile) list's length drawn from
+    `lengths` in random order across tiles (every length about equally often), its ids a random,
+    unsorted sample. Causal: the full blocks are fully historical for the tile's first row and the
+    mask blocks (most tiles) those on its diagonal, each cut to what the tile has; else mask lists
+    are empty."""
+    n_blocks = -(-seqlen_k // block_size)
+    m_tiles = -(-seqlen_q // q_block_size)
+    drawn = [lengths[i % len(lengths)] for i in range(table_heads * m_tiles)]
+    rng.shuffle(drawn)
+    full = [[[] for _ in range(m_tiles)] for _ in range(table_heads)]
+    mask = [[[] for _ in range(m_tiles)] for _ in range(table_heads)]
+    shift = seqlen_k - seqlen_q
+    for hs in range(table_heads):
+        for m in range(m_tiles):
+            length = drawn[hs * m_tiles + m]
+            if not causal:
+                full[hs][m] = rng.sample(range(n_blocks), min(length, n_blocks))
+                continue
+            first_row, last_row = m * q_block_size, min((m + 1) * q_block_size, seqlen_q) - 1
+            historical = [b for b in range(n_blocks)
+                          if (b + 1) * block_size - 1 <= first_row + shift and (b + 1) * block_size <= seqlen_k]
+            diagonal = [b for b in range(len(historical), n_blocks) if b * block_size <= last_row + shift]
+            if length and rng.random() < 0.75:
+                mask[hs][m] = rng.sample(diagonal, min(length, len(diagonal)))
+            full[hs][m] = rng.sample(historical, min(length - len(mask[hs][m]), len(historical)))
+    return full, mask

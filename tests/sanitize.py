@@ -4,12 +4,15 @@ subset instead (tests/fuzz/run.py --sanitizer-subset: N configurations, default 
 at most 6 FA-4 kernel classes), printing per tool the case count, its error count and the
 fuzzer's own failure count.
 
-Runs memcheck, racecheck and initcheck, each over this file's --cases: adversarial valid calls
+Runs memcheck, racecheck, initcheck and synccheck, each over this file's --cases: adversarial valid calls
 (lists that are empty, one block, the tail block only, every block, as long as the row) of the
 non-split, split, GQA-packed, paged, varlen, decode-tile, key-split-tile, one-launch speculative
-and partials + combine paths, and FA-3's sparse kernel (fa3_cases), small enough for the tools;
-then, where FA-3 is built, upstream FA-3's dense calls of the same shapes alone (--upstream-fa3-cases),
-to tell upstream's (or the tool's) reports from this series'.
+and partials + combine paths, and FA-3's sparse kernel (fa3_cases), small enough for the tools.
+Where FA-3 is built, racecheck and synccheck (MANY_TILE_TOOLS) then run over FA-3 calls of more
+tiles than SMs with list lengths skewed across tiles (--only fa3-many-tiles: many_tile_cases),
+where each persistent CTA hands its barriers and K/V pipeline from tile to tile; and every tool
+over upstream FA-3's dense calls of the same shapes alone (--upstream-fa3-cases, with --only
+fa3-many-tiles the many-tile ones), to tell upstream's (or the tool's) reports from this series'.
 Prints one summary line per tool, the kinds of report and where (function, file:line, the Python
 line that launched it; most frequent first), and exits non-zero if any tool reports an error
 other than the CUDA runtime's benign cuGetProcAddress probes in this series' cases; --raw DIR
@@ -25,6 +28,7 @@ hand-off set apart as the tool's, counted and printed, not failures.
 
 import collections
 import os
+import random
 import re
 import shutil
 import subprocess
@@ -37,13 +41,15 @@ import torch
 import flash_attn_sparse as fas
 from flash_attn_sparse import SparseBlocks
 from flash_attn_sparse.metadata import pack_varlen_lists
+from helpers import skewed_rows
 
 
-def cases(only_fa3=False):
+def cases(only=None):
+    """Every case, or with only="fa3" FA-3's (fa3_cases), or with only=MANY_TILES the many-tile ones."""
     g = torch.Generator(device="cuda").manual_seed(0)
     randn = lambda *shape: torch.randn(*shape, generator=g, device="cuda").bfloat16()
-    if only_fa3:
-        fa3_cases(randn)
+    if only in ("fa3", MANY_TILES):
+        (fa3_cases if only == "fa3" else many_tile_cases)(randn)
         torch.cuda.synchronize()
         return
     batch, seqlen_q, seqlen_k, heads, heads_k, dim, block = 2, 16, 1000, 4, 2, 128, 64
@@ -167,6 +173,70 @@ def fa3_cases(randn):
     print("fa3: ok", flush=True)
 
 
+MANY_TILES = "fa3-many-tiles"  # the --only value of the many-tile cases
+# B2 H8 (4 per K/V head) Sq4096: 512 tiles of 128 rows, packed or not; varlen: ragged sequences of
+# as many rows, one empty, one of one row. Keys: 72+ fully historical blocks before the first
+# tile's diagonal, so a tile can list 70 blocks causal or not.
+MANY_TILE_HEADS, MANY_TILE_HEADS_K, MANY_TILE_BATCH, MANY_TILE_SEQLEN_Q = 8, 2, 2, 4096
+MANY_TILE_KEYS_BEFORE_DIAGONAL = 9256
+MANY_TILE_VARLEN_Q = [1600, 0, 1, 1100, 129, 1366]
+MANY_TILE_VARLEN_K = [sq + MANY_TILE_KEYS_BEFORE_DIAGONAL if sq else 1000 for sq in MANY_TILE_VARLEN_Q]
+
+
+def kernel_tiles(seqlens_q, table_heads) -> int:
+    """FA-3's tiles of 128 rows over the many-tile cases' heads: per K/V head over packed query
+    heads where the lists are shared or per K/V head, else per query head."""
+    group = MANY_TILE_HEADS // MANY_TILE_HEADS_K
+    heads, rows = (MANY_TILE_HEADS, 1) if table_heads == MANY_TILE_HEADS else (MANY_TILE_HEADS_K, group)
+    return sum(heads * -(-sq * rows // 128) for sq in seqlens_q)
+
+
+def many_tile_lists(table_heads, causal, seqlens_q, seqlens_k, seed):
+    """(full, mask)[sequence][table head][tile] of helpers.skewed_rows: list lengths 0, 1, 2, 3,
+    33 and 70 in random order across tiles, permuted and gapped ids."""
+    rng = random.Random(seed)
+    rows = [skewed_rows(rng, table_heads, sq, sk, causal) for sq, sk in zip(seqlens_q, seqlens_k)]
+    return [r[0] for r in rows], [r[1] for r in rows]
+
+
+def many_tile_inputs(randn):
+    """The many-tile cases' tensors, for the sparse calls and upstream's dense ones alike: batched
+    (q, k, v) and varlen (q, k, v, cu_seqlens_q, cu_seqlens_k)."""
+    seqlen_k = MANY_TILE_SEQLEN_Q + MANY_TILE_KEYS_BEFORE_DIAGONAL
+    batched = (randn(MANY_TILE_BATCH, MANY_TILE_SEQLEN_Q, MANY_TILE_HEADS, 128),
+               randn(MANY_TILE_BATCH, seqlen_k, MANY_TILE_HEADS_K, 128), randn(MANY_TILE_BATCH, seqlen_k, MANY_TILE_HEADS_K, 128))
+    prefix = lambda lengths: torch.tensor([sum(lengths[:i]) for i in range(len(lengths) + 1)], dtype=torch.int32, device="cuda")
+    total_q, total_k = sum(MANY_TILE_VARLEN_Q), sum(MANY_TILE_VARLEN_K)
+    varlen = (randn(total_q, MANY_TILE_HEADS, 128), randn(total_k, MANY_TILE_HEADS_K, 128), randn(total_k, MANY_TILE_HEADS_K, 128),
+              prefix(MANY_TILE_VARLEN_Q), prefix(MANY_TILE_VARLEN_K))
+    return batched, varlen
+
+
+def many_tile_cases(randn):
+    """FA-3's sparse kernel (backend="fa3") over more tiles than SMs, lists skewed across tiles:
+    packed GQA (per-K/V-head lists) and not (per query head), causal and not; batched unsplit
+    (persistent; one split call too) and varlen split and not (persistent both)."""
+    from flash_attn_sparse.backends import fa3_ops
+    if fa3_ops.missing_build() is not None:
+        print(f"fa3 many tiles: not in this build ({fa3_ops.missing_build()})", flush=True)
+        return
+    (q, k, v), (qv, kv, vv, cu_q, cu_k) = many_tile_inputs(randn)
+    seqlen_k = k.shape[1]
+    for table_heads in (MANY_TILE_HEADS_K, MANY_TILE_HEADS):
+        for causal in (False, True):
+            full, mask = many_tile_lists(table_heads, causal, [MANY_TILE_SEQLEN_Q] * MANY_TILE_BATCH,
+                                         [seqlen_k] * MANY_TILE_BATCH, seed=table_heads + causal)
+            blocks = SparseBlocks.from_lists(full, mask if causal else None, block_size=128, q_block_size=128, device="cuda")
+            for num_splits in (1, 3) if table_heads == MANY_TILE_HEADS_K and causal else (1,):
+                fas.flash_attn_with_sparse_block_table(q, k, v, blocks, causal=causal, num_splits=num_splits, backend="fa3")
+            full, mask = many_tile_lists(table_heads, causal, MANY_TILE_VARLEN_Q, MANY_TILE_VARLEN_K, seed=10 + table_heads + causal)
+            vblocks = pack_varlen_lists(full, mask if causal else None, 128, 128, device="cuda")
+            fas.flash_attn_varlen_with_sparse_blocks(qv, kv, vv, vblocks, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k,
+                                                     max_seqlen_q=max(MANY_TILE_VARLEN_Q), max_seqlen_k=max(MANY_TILE_VARLEN_K),
+                                                     causal=causal, num_splits=2 if causal else 1, backend="fa3")
+    print("fa3 many tiles: ok", flush=True)
+
+
 def upstream_fa3_cases():
     """Upstream FA-3's dense calls of the same shapes and paths (GQA packed, split, varlen), in a
     process of their own: the sparse kernel shares upstream's tile schedulers, so a report that
@@ -182,6 +252,22 @@ def upstream_fa3_cases():
         flash_attn_varlen_func(qv, kv, vv, cu_q, cu_k, 130, 700, causal=True, num_splits=num_splits)
     torch.cuda.synchronize()
     print("upstream fa3 dense: ok", flush=True)
+
+
+def upstream_many_tile_cases():
+    """Upstream FA-3's dense calls of the many-tile cases' shapes and paths (packed GQA and not,
+    causal and not, varlen split and not), in a process of their own."""
+    from flash_attn_interface import flash_attn_func, flash_attn_varlen_func
+    g = torch.Generator(device="cuda").manual_seed(0)
+    (q, k, v), (qv, kv, vv, cu_q, cu_k) = many_tile_inputs(lambda *shape: torch.randn(*shape, generator=g, device="cuda").bfloat16())
+    for pack_gqa in (True, False):
+        for causal in (False, True):
+            flash_attn_func(q, k, v, causal=causal, num_splits=1, pack_gqa=pack_gqa)
+    for causal in (False, True):
+        flash_attn_varlen_func(qv, kv, vv, cu_q, cu_k, max(MANY_TILE_VARLEN_Q), max(MANY_TILE_VARLEN_K), causal=causal,
+                               num_splits=2 if causal else 1)
+    torch.cuda.synchronize()
+    print("upstream fa3 dense, many tiles: ok", flush=True)
 
 
 # CUDA API errors that are no kernel's: the CUDA runtime asks the driver for entry points it may
@@ -229,7 +315,10 @@ def reports(output: str) -> collections.Counter:
     return found
 
 
-TOOLS = ("memcheck", "racecheck", "initcheck")
+TOOLS = ("memcheck", "racecheck", "initcheck", "synccheck")
+# The tools over the many-tile cases: a CTA's hand-off from one tile to the next is ordered by
+# barriers (named, and the K/V pipeline's), whose misuse synccheck and whose missing order racecheck see.
+MANY_TILE_TOOLS = ("racecheck", "synccheck")
 PROBE = Path(__file__).resolve().parent / "sanitizer_probes" / "named_barrier_handoff.cu"
 HANDOFF_SITE = re.compile(r"^flash::(Varlen)?DynamicPersistentTileScheduler::get_next_work \(\S*tile_scheduler\.hpp:\d+\)$")
 
@@ -318,27 +407,41 @@ def raw_dir(argv):
 
 
 if __name__ == "__main__":
-    # --tools a,b: a subset of TOOLS; --only fa3: FA-3's cases alone; --module-loading eager: the
+    # --tools a,b: a subset of TOOLS; --only fa3: FA-3's cases alone (with the many-tile ones under
+    # MANY_TILE_TOOLS); --only fa3-many-tiles: the many-tile ones alone; --module-loading eager: the
     # sanitized process loads every CUDA module at start (CUDA_MODULE_LOADING=EAGER), so the tool
     # knows a lazily loaded module's functions at its first launch.
     tools = tuple(option(sys.argv, "--tools", ",".join(TOOLS)).split(","))
     loading = option(sys.argv, "--module-loading")
     env = {**os.environ, "CUDA_MODULE_LOADING": loading.upper()} if loading else None
     if "--cases" in sys.argv:
-        cases(only_fa3=option(sys.argv, "--only") == "fa3")
+        cases(only=option(sys.argv, "--only"))
     elif "--fuzz-subset" in sys.argv:
         excuse = "racecheck" in tools and racecheck_misreads_named_barriers(raw_dir(sys.argv))  # only racecheck needs it
         sys.exit(sanitize(fuzz_subset_command(sys.argv), raw_dir(sys.argv), excuse_handoff=excuse, tools=tools, env=env))
     elif "--upstream-fa3-cases" in sys.argv:
-        upstream_fa3_cases()
+        upstream_many_tile_cases() if option(sys.argv, "--only") == MANY_TILES else upstream_fa3_cases()
     else:
         excuse = "racecheck" in tools and racecheck_misreads_named_barriers(raw_dir(sys.argv))  # only racecheck needs it
-        only = ["--only", option(sys.argv, "--only")] if "--only" in sys.argv else []
+        only = option(sys.argv, "--only")
         label = f"sanitize-{loading}" if loading else "sanitize"
-        failed = sanitize([sys.executable, __file__, "--cases", *only], raw_dir(sys.argv), label, excuse, tools, env)
+        many_tools = tuple(tool for tool in tools if tool in MANY_TILE_TOOLS)
+        failed = 0
+        if only != MANY_TILES:
+            failed = sanitize([sys.executable, __file__, "--cases", *(["--only", only] if only else [])], raw_dir(sys.argv), label,
+                              excuse, tools, env)
         from flash_attn_sparse.backends import fa3_ops
-        if fa3_ops.missing_build() is None:
+        fa3 = fa3_ops.missing_build() is None
+        if fa3 and many_tools:
+            print(f"FA-3 over more tiles than SMs, lists skewed across tiles ({', '.join(many_tools)}):", flush=True)
+            failed |= sanitize([sys.executable, __file__, "--cases", "--only", MANY_TILES], raw_dir(sys.argv),
+                               f"{label}-{MANY_TILES}", excuse, many_tools, env)
+        if fa3:
             print("upstream FA-3's dense calls, alone (what they report is not this series'):", flush=True)
-            sanitize([sys.executable, __file__, "--upstream-fa3-cases"], raw_dir(sys.argv), "upstream-fa3", tools=tools,
-                     env=env)  # not excused
+            if only != MANY_TILES:
+                sanitize([sys.executable, __file__, "--upstream-fa3-cases"], raw_dir(sys.argv), "upstream-fa3", tools=tools,
+                         env=env)  # not excused
+            if many_tools:
+                sanitize([sys.executable, __file__, "--upstream-fa3-cases", "--only", MANY_TILES], raw_dir(sys.argv),
+                         f"upstream-fa3-{MANY_TILES}", tools=many_tools, env=env)  # not excused
         sys.exit(failed)

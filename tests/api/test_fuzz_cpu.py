@@ -66,6 +66,43 @@ def test_the_configurations_cover_the_contract(configs):
     assert seen["empty sequence"] == seen["sq != sk"] == seen["empty row"] == seen["tail first"] == {True, False}
 
 
+def test_the_space_draws_more_tiles_than_sms_with_skewed_lists(configs):
+    """Some configurations have more kernel tiles of 128 rows than an H100 has SMs, so that FA-3's
+    persistent CTAs run several each, and list lengths that differ across tiles, empty ones beside
+    long ones: batched and varlen, causal and not, every table extent, split and not."""
+    many = [c for c in configs if c.many_tiles]
+    assert len(many) >= 20
+    seen = collections.defaultdict(set)
+    for c in many:
+        assert c.block_size == 128 and space.kernel_tiles(c) > space.SMS, c.index
+        lengths = [len(row) for per_b in c.full for per_h in per_b for row in per_h]
+        assert 0 in lengths and max(lengths) >= 7 and len(set(lengths)) >= 4, (c.index, sorted(set(lengths)))
+        seen["long"].add(max(lengths) >= 33)
+        seen["form"].add(c.form)
+        seen["causal"].add(c.causal)
+        seen["table heads"].add("1" if c.table_heads == 1 else "hk" if c.table_heads == c.heads_k else "h")
+        seen["splits"].add(min(c.num_splits, 2))
+        if c.form == "varlen":
+            seen["empty sequence"].add(0 in c.seqlens_q)
+    assert seen["long"] == seen["causal"] == seen["empty sequence"] == {True, False}
+    assert seen["form"] == {"blocks", "varlen"} and seen["table heads"] == {"1", "hk", "h"} and seen["splits"] == {0, 1, 2}
+    assert not any(c.many_tiles for c in space.sanitizer_subset(0, 120))
+
+
+def test_many_tile_draws_leave_the_other_configurations_as_they_were():
+    """A stream of its own decides which configurations are many-tile ones: every other
+    configuration of a seed is the one drawn without them (a reproducer line stays valid)."""
+    for i in range(300):
+        c = space.draw(5, i)
+        if c.many_tiles:
+            continue
+        share, space.MANY_TILES_SHARE = space.MANY_TILES_SHARE, 0.0
+        try:
+            assert space.draw(5, i) == c, i
+        finally:
+            space.MANY_TILES_SHARE = share
+
+
 def refusal(c: space.Config) -> str:
     with pytest.raises(SparseInputError) as error:
         Case(c, SEED, device="cpu").call("fa2")

@@ -9,7 +9,8 @@ patterns equal), refused (SparseInputError before any sparse kernel or output bu
 (a wrong answer, a violation accepted, a valid call refused by FA-2 or auto, a refusal after a
 launch, or auto choosing a backend that refuses), device fault, upstream exception (anything
 else escaping), unchecked (ran on input whose answer is undefined: memory safety only) or
-skipped (past the cap of FA-4 kernels to compile, --fa4-kernels). Prints the seed, per-backend counts, one reproducer line per failure
+skipped (past the cap of FA-4 kernels to compile, --fa4-kernels). Prints the seed, per-backend counts, how many
+configurations had more kernel tiles than SMs and list lengths skewed across tiles (Config.many_tiles), one reproducer line per failure
 and the wall time; exits 1 on any failure. --sanitizer-subset runs space.sanitizer_subset instead (bad ids,
 counts, page tables; varlen edges), unvalidated, for compute-sanitizer (tests/sanitize.py), with the
 references computed on the CPU so that initcheck sees only the kernels under test.
@@ -256,6 +257,7 @@ def main(argv=None) -> int:
     start = time.monotonic()
     counts = collections.defaultdict(collections.Counter)
     failures, run, cap = [], 0, KernelCap(args.fa4_kernels)
+    many_tiles = 0
     for index in indices:
         if time.monotonic() - start > args.budget_s:
             print(f"budget of {args.budget_s:.0f} s reached", flush=True)
@@ -264,6 +266,7 @@ def main(argv=None) -> int:
         for variant, config in variants(drawn, args.vary):
             outcomes = run_config(Case(config, seed), backends, cap, reference_on_cpu=args.sanitizer_subset)
             run += 1
+            many_tiles += config.many_tiles
             for backend, (outcome, why) in outcomes.items():
                 counts[backend][outcome] += 1
                 if outcome in ("wrong", "fault", "upstream"):
@@ -277,6 +280,7 @@ def main(argv=None) -> int:
                 print(f"[{index}{variant}] {config}\n    {outcomes}", flush=True)
     wall = time.monotonic() - start
     print(f"configurations run: {run} in {wall:.1f} s (seed {seed})")
+    print(f"  of more kernel tiles than {space.SMS} SMs, lists skewed across tiles: {many_tiles}")
     for backend, counter in counts.items():
         print(f"  {backend}: " + ", ".join(f"{k} {counter[k]}" for k in
                                            ("pass", "refused", "unchecked", "skipped", "wrong", "fault", "upstream")))

@@ -7,9 +7,11 @@ fp16/bf16, every block size, query tiles, table heads 1 / H_k / H, full and mask
 order with gaps and the partial tail block anywhere, empty rows, causal, fixed and varlen
 (ragged, empty sequences, Sq != Sk), paged K/V (pages below / equal / above the block size,
 permuted), seqused_k, forced and automatic splits, both speculative forms, partials + combine,
-CUDA graph capture and NaN / Inf inputs. `bad` names a contract violation planted in the
-lists: refused with validate="full"; without it, out-of-range ids and counts are skipped /
-clamped like the FA-2 kernels do (metadata.py) and the answer is checked against that.
+CUDA graph capture and NaN / Inf inputs, and (a few, drawn apart: MANY_TILES_SHARE) calls of
+more kernel tiles than the GPU has SMs with list lengths skewed across tiles. `bad` names a
+contract violation planted in the lists: refused with validate="full"; without it, out-of-range
+ids and counts are skipped / clamped like the FA-2 kernels do (metadata.py) and the answer is
+checked against that.
 """
 
 import functools
@@ -30,6 +32,15 @@ PAGE_BAD = "bad_page"  # memory safe without validation, result unchecked
 PALETTE_SIZE, PALETTE_SHARE = 8, 0.9  # see kernel_palette
 SEQLENS_Q = (1, 1, 2, 3, 7, 16, 33, 64, 100, 130, 200)
 SEQLENS_K = (1, 15, 16, 100, 128, 200, 257, 300, 513, 700, 1000)
+SMS = 132  # an H100's or H200's: past this many tiles each CTA of FA-3's persistent kernel runs several
+# Configurations of many tiles: decided by a stream of their own, so that every other
+# configuration of a seed is drawn as before.
+MANY_TILES_SHARE, MANY_TILES_STREAM = 0.04, 1
+MANY_TILES_TARGETS = (1.2, 1.6, 2.2)  # times SMS
+# Full-list lengths, dealt to a call's list rows in turn (then shuffled): empty, short and long
+# side by side, a call of two rows getting an empty and a long one.
+SKEWED_LENGTHS = (0, 70, 1, 33, 2, 3)
+LONG_LIST_SEQLENS_K = (8960, 9000, 9300, 10000)  # room for 70 blocks of 128 keys
 
 
 @dataclass
@@ -62,6 +73,7 @@ class Config:
     bad: str | None = None
     graph: bool = False
     poison: tuple[str, str] | None = None  # ("q" | "k" | "v", "nan" | "inf")
+    many_tiles: bool = False  # drawn by _draw_many_tiles: more kernel tiles than SMS, list lengths skewed across tiles
 
     @property
     def heads(self) -> int:
@@ -90,6 +102,12 @@ def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
+def kernel_tiles(c: Config) -> int:
+    """Tiles of 128 query rows of the call, the fewer of FA-3's two tilings: query heads packed
+    per K/V head (group rows per query position) or one tile row per query head."""
+    return sum(c.heads_k * cdiv(sq * c.group, 128) for sq in c.seqlens_q)
+
+
 def kernel_class(rng, head_dims=(64, 128)) -> tuple:
     """(dtype, head dim, block size, K/V heads, GQA group, causal): what selects a compiled kernel."""
     pick = lambda seq: seq[int(rng.integers(len(seq)))]
@@ -111,8 +129,11 @@ def draw(seed: int, index: int, head_dims=(64, 128), adversarial: bool = False) 
     rng = np.random.default_rng([seed, index])
     pick = lambda seq: seq[int(rng.integers(len(seq)))]
     chance = lambda p: bool(rng.random() < p)
+    many_tiles = not adversarial and np.random.default_rng([seed, index, MANY_TILES_STREAM]).random() < MANY_TILES_SHARE
     if adversarial:
         form = pick(("blocks", "varlen", "paged", "table"))
+    elif many_tiles:
+        form = pick(("blocks", "varlen"))
     else:
         form = FORMS[int(rng.choice(len(FORMS), p=FORM_WEIGHTS))]
     kernel = kernel_class(rng, tuple(head_dims))
@@ -120,9 +141,36 @@ def draw(seed: int, index: int, head_dims=(64, 128), adversarial: bool = False) 
         palette = kernel_palette(seed, tuple(head_dims))
         kernel = palette[int(rng.integers(len(palette)))]
     dtype, head_dim, block_size, heads_k, group, causal = kernel
+    if many_tiles:  # FA-3's one block size, and at least 8 query heads so that tiles come from heads as well as rows
+        block_size, heads_k = 128, max(heads_k, cdiv(8, group))
     c = Config(index=index, form=form, dtype=dtype, head_dim=head_dim, batch=pick((1, 1, 2, 3)), heads_k=heads_k,
                group=group, block_size=block_size, q_block_size=None, table_heads=1, seqlens_q=[], seqlens_k=[],
                causal=causal, num_splits=pick((0, 0, 0, 1, 2, 3, 5)), validate="full" if chance(0.3) else "cheap")
+    if many_tiles:
+        _draw_many_tiles(c, rng)
+    else:
+        _draw_shapes_and_lists(c, rng)
+    _plant_bad(c, rng, adversarial)
+    if form == "partials":
+        ids = c.full[0][0][0]
+        cuts = sorted(int(x) for x in rng.integers(0, len(ids) + 1, size=int(rng.integers(0, 4))))
+        c.groups = [ids[a:b] for a, b in zip([0] + cuts, cuts + [len(ids)])]
+        c.num_splits = 0
+    c.graph = form in ("table", "blocks") and c.bad is None and chance(0.1)
+    if not adversarial and c.bad is None and chance(0.08):
+        # Inf only in v: an infinite score makes the dense reference's 0 * inf differ from the
+        # kernels' online softmax without either being wrong.
+        c.poison = pick((("q", "nan"), ("k", "nan"), ("v", "nan"), ("v", "inf")))
+    if c.graph or form == "partials":
+        c.validate = "cheap" if c.graph else c.validate
+    return c
+
+
+def _draw_shapes_and_lists(c: Config, rng) -> None:
+    """Sequence lengths, pages, seqused_k, query tiles and lists of a configuration of `c.form`."""
+    pick = lambda seq: seq[int(rng.integers(len(seq)))]
+    chance = lambda p: bool(rng.random() < p)
+    form = c.form
     if form == "varlen":
         c.batch = pick((1, 2, 3, 4))
         c.seqlens_q = [pick(SEQLENS_Q + (0,)) for _ in range(c.batch)]
@@ -152,20 +200,72 @@ def draw(seed: int, index: int, head_dims=(64, 128), adversarial: bool = False) 
         _draw_zero_copy(c, rng)
     if form == "spec_gather":
         c.spec_len = int(rng.integers(1, 300))
-    _plant_bad(c, rng, adversarial)
-    if form == "partials":
-        ids = c.full[0][0][0]
-        cuts = sorted(int(x) for x in rng.integers(0, len(ids) + 1, size=int(rng.integers(0, 4))))
-        c.groups = [ids[a:b] for a, b in zip([0] + cuts, cuts + [len(ids)])]
-        c.num_splits = 0
-    c.graph = form in ("table", "blocks") and c.bad is None and chance(0.1)
-    if not adversarial and c.bad is None and chance(0.08):
-        # Inf only in v: an infinite score makes the dense reference's 0 * inf differ from the
-        # kernels' online softmax without either being wrong.
-        c.poison = pick((("q", "nan"), ("k", "nan"), ("v", "nan"), ("v", "inf")))
-    if c.graph or form == "partials":
-        c.validate = "cheap" if c.graph else c.validate
-    return c
+
+
+def _draw_many_tiles(c: Config, rng) -> None:
+    """More kernel tiles than SMS (FA-3's persistent CTAs each run several: the early claim of
+    the next tile, the K/V pipeline phase and barriers carried across tiles), query tiles of 128
+    rows, and per-tile lists of lengths SKEWED_LENGTHS (_draw_skewed_lists). Batched or varlen
+    (ragged, sometimes an empty or a one-row sequence), never seqused_k (FA-3 refuses it)."""
+    pick = lambda seq: seq[int(rng.integers(len(seq)))]
+    target = int(pick(MANY_TILES_TARGETS) * SMS)
+    c.many_tiles, c.q_block_size = True, 128
+    if c.form == "varlen":
+        c.batch = pick((3, 4, 5))
+        # Each sequence a share of one length, so that padding the dense reference costs little.
+        shares = [pick((0.7, 1.0, 1.0, 1.2)) for _ in range(c.batch)]
+        for edge in (0.0, None):  # an empty sequence, a one-row sequence
+            if rng.random() < 0.4:
+                shares[int(rng.integers(1, c.batch))] = edge
+        length = 128
+        c.seqlens_q = [1 if s is None else int(s * length) for s in shares]
+        while kernel_tiles(c) <= target:
+            length += 128
+            c.seqlens_q = [1 if s is None else int(s * length) for s in shares]
+    else:
+        c.batch = max(c.batch, cdiv(16, c.heads))  # 16+ (batch, head) pairs: the tiles are not one long sequence
+        c.seqlens_q = [128 - pick((0, 0, 37, 100))] * c.batch
+        while kernel_tiles(c) <= target:
+            c.seqlens_q = [c.seqlens_q[0] + 128] * c.batch
+    # Causal: room before the diagonal for long lists of fully historical blocks in early tiles, or none.
+    extra = pick((0, 1000, 9216, 9300)) if c.causal else 0
+    keys = [sq + extra if c.causal else pick(LONG_LIST_SEQLENS_K) for sq in c.seqlens_q]
+    c.seqlens_k = keys if c.form == "varlen" else [keys[0]] * c.batch
+    c.table_heads = pick((1, c.heads_k, c.heads))
+    _draw_skewed_lists(c, rng, with_mask=bool(rng.random() < 0.6))
+
+
+def _draw_skewed_lists(c: Config, rng, with_mask: bool) -> None:
+    """Per-(batch, table head, query tile) full lists, permuted and gapped, their lengths
+    SKEWED_LENGTHS over and over in random order across the rows (cut to the eligible blocks:
+    fully historical ones when causal); mask lists of 0-2 blocks disjoint from them (causal: on the
+    tile's diagonal), none where the full list is empty."""
+    q_block = c.resolved_q_block()
+    rows = sum(c.table_heads * cdiv(sq, q_block) for sq in c.seqlens_q)
+    lengths = iter([SKEWED_LENGTHS[int(i) % len(SKEWED_LENGTHS)] for i in rng.permutation(rows)])
+    c.full, c.mask = [], [] if with_mask else None
+    for b in range(c.batch):
+        sq, sk = c.seqlens_q[b], c.seqlens_k[b]
+        n_valid = cdiv(sk, c.block_size)
+        full_b, mask_b = [], []
+        for _ in range(c.table_heads):
+            full_h, mask_h = [], []
+            for m in range(cdiv(sq, q_block)):
+                eligible = [j for j in range(n_valid) if not c.causal or _historical(j, c, m * q_block, sq, sk)]
+                length = min(next(lengths), len(eligible))
+                full_row = [int(x) for x in rng.choice(eligible, size=length, replace=False)] if length else []
+                full_h.append(full_row)
+                if with_mask:
+                    last_row = min((m + 1) * q_block, sq) - 1
+                    others = [j for j in range(n_valid) if j not in full_row
+                              and (not c.causal or (j not in eligible and j * c.block_size <= last_row + sk - sq))]
+                    count = min(int(rng.integers(0, 3)), len(others)) if full_row else 0
+                    mask_h.append([int(x) for x in rng.choice(others, size=count, replace=False)] if count else [])
+            full_b.append(full_h)
+            mask_b.append(mask_h)
+        c.full.append(full_b)
+        if with_mask:
+            c.mask.append(mask_b)
 
 
 def _row(rng, n_valid: int, eligible: list[int]) -> list[int]:

@@ -1,7 +1,9 @@
 """tests/sanitize.py's reading of compute-sanitizer output (CPU): kinds of report and where,
-the CUDA runtime's cuGetProcAddress probes told apart from kernel faults."""
+the CUDA runtime's cuGetProcAddress probes told apart from kernel faults; its tools, and the
+shapes and lists of its many-tile FA-3 cases."""
 
 import sanitize
+from helpers import SKEWED_LIST_LENGTHS
 
 MEMCHECK = """========= COMPUTE-SANITIZER
 ========= Program hit CUDA_ERROR_INVALID_VALUE (error 1) due to "invalid argument" on CUDA API call to cuGetProcAddress_v2.
@@ -79,3 +81,34 @@ def test_only_races_whose_every_site_is_the_scheduler_handoff_can_be_excused():
     assert not sanitize.is_scheduler_handoff(what, f"{varlen} with {kernel}")
     assert not sanitize.is_scheduler_handoff("Invalid __shared__ read", varlen)
     assert not sanitize.is_scheduler_handoff(what, "flash::Scheduler::get_next_work (tile_scheduler.hpp:699)")
+
+
+# synccheck's report of a barrier that not every thread of the block reaches.
+SYNCCHECK = "\n".join([
+    "========= Barrier error detected. Divergent thread(s) in block",
+    "=========     at void flash::FlashAttnFwdSm90<Traits>::operator()(Params const &, char *)+0x2f40 in flash_fwd_kernel_sm90.h:412",
+    "=========     by thread (128,0,0) in block (3,0,0)",
+    "========= ",
+    "========= ERROR SUMMARY: 1 error"])
+
+
+def test_synccheck_is_a_tool_and_its_barrier_errors_are_read():
+    assert "synccheck" in sanitize.TOOLS and set(sanitize.MANY_TILE_TOOLS) == {"racecheck", "synccheck"}
+    assert sanitize.reports(SYNCCHECK) == {("Barrier error", "flash::FlashAttnFwdSm90::operator (flash_fwd_kernel_sm90.h:412)"): 1}
+
+
+def test_the_many_tile_cases_have_more_tiles_than_sms_and_skewed_lists():
+    """Batched and varlen, packed GQA (per-K/V-head lists) and not: several tiles per SM of an
+    H100, list lengths of every SKEWED_LIST_LENGTHS across tiles, an empty sequence."""
+    batched_q = [sanitize.MANY_TILE_SEQLEN_Q] * sanitize.MANY_TILE_BATCH
+    batched_k = [sanitize.MANY_TILE_SEQLEN_Q + sanitize.MANY_TILE_KEYS_BEFORE_DIAGONAL] * sanitize.MANY_TILE_BATCH
+    assert 0 in sanitize.MANY_TILE_VARLEN_Q
+    for table_heads in (sanitize.MANY_TILE_HEADS_K, sanitize.MANY_TILE_HEADS):
+        for seqlens_q, seqlens_k in ((batched_q, batched_k), (sanitize.MANY_TILE_VARLEN_Q, sanitize.MANY_TILE_VARLEN_K)):
+            assert sanitize.kernel_tiles(seqlens_q, table_heads) >= 2 * 132
+            for causal in (False, True):
+                full, mask = sanitize.many_tile_lists(table_heads, causal, seqlens_q, seqlens_k, seed=1)
+                lengths = [len(f) + len(m) for full_b, mask_b in zip(full, mask) for full_h, mask_h in zip(full_b, mask_b)
+                           for f, m in zip(full_h, mask_h)]
+                assert set(lengths) >= set(SKEWED_LIST_LENGTHS) and lengths != sorted(lengths)
+                assert any(row != sorted(row) for full_b in full for full_h in full_b for row in full_h)
