@@ -490,3 +490,40 @@ def test_fa3_graph_launch_runs_bitwise_like_direct_launches(num_splits, causal):
     want = fas.flash_attn_with_sparse_block_table(q_i, k_i, v_i, other, backend="fa3", causal=causal, num_splits=num_splits)
     assert torch.equal(out_graph, want[0]) and torch.equal(lse_graph, want[1])
     assert_captured_run_equals_direct(graphed, direct, q, k, v)
+
+
+def test_run_with_refuses_new_sequences_longer_than_planned():
+    """SparseForward.run_with takes new cu_seqlens without a host sync, so the caller states their
+    longest sequences: a bound past the planned one (the tile choice, the split count and the
+    combine grid were sized for it) is refused, as is none; within it the run equals a one-shot
+    call over the new sequences."""
+    import flash_attn_sparse as fas
+    from flash_attn_sparse import calls
+    from flash_attn_sparse.backends import fa3
+    from flash_attn_sparse.metadata import pack_varlen_lists
+    from flash_attn_sparse.options import CallOptions
+    g = torch.Generator(device="cuda").manual_seed(5)
+    q, k, v = (t[0] for t in random_qkv(1, 128, 1000, 8, 2, 128, torch.bfloat16, generator=g))
+    blocks = pack_varlen_lists([[[[5, 0, 2]], [[1, 4]]], [[[2, 0]], [[1]]]], None, BLOCK, 128, device="cuda")
+    cumulative = lambda lengths: torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32,
+                                              device="cuda")
+    cu_k = cumulative([700, 300])
+    call = calls.SparseCall(q, k, v, blocks, CallOptions(backend="fa3", num_splits=2), cu_seqlens_q=cumulative([100, 28]),
+                            cu_seqlens_k=cu_k, max_seqlen_q=100, max_seqlen_k=700)
+    forward = fa3.planned(call, 2, torch.empty_like(q))
+    if forward is None:
+        pytest.skip("this flash_attn_3 build has no SparseForward")
+    lists = dict(full_cnt=blocks.full_cnt, full_idx=blocks.full_idx, mask_cnt=None, mask_idx=None,
+                 cu_total_m_blocks=blocks.cu_total_m_blocks, cu_block_idx_offsets=blocks.cu_block_idx_offsets)
+    out = torch.full_like(q, float("nan"))
+    with pytest.raises(RuntimeError, match="plan again for longer sequences"):
+        forward.run_with(q=q, k=k, v=v, out=out, **lists, cu_seqlens_q=cumulative([120, 8]), cu_seqlens_k=cu_k,
+                         max_seqlen_q=120, max_seqlen_k=700)
+    with pytest.raises(RuntimeError, match="need max_seqlen_q and max_seqlen_k"):
+        forward.run_with(q=q, k=k, v=v, out=out, **lists, cu_seqlens_q=cumulative([60, 68]), cu_seqlens_k=cu_k)
+    lse = forward.run_with(q=q, k=k, v=v, out=out, **lists, cu_seqlens_q=cumulative([60, 68]), cu_seqlens_k=cu_k,
+                           max_seqlen_q=100, max_seqlen_k=700)
+    want_out, want_lse = fas.flash_attn_varlen_with_sparse_blocks(
+        q, k, v, blocks, cu_seqlens_q=cumulative([60, 68]), cu_seqlens_k=cu_k, max_seqlen_q=100, max_seqlen_k=700,
+        backend="fa3", num_splits=2)
+    assert torch.equal(out, want_out) and torch.equal(lse, want_lse)

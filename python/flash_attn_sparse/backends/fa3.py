@@ -83,6 +83,8 @@ class Planned:
         forward = planned(call, splits, torch.empty_like(call.q) if out is None else out)
         self._forward = forward if keep_buffers else for_run_with(forward)
         self.checks_facts = forward is not None
+        # run_with's bound on new cu_seqlens' sequences: the planned call's (callers key plans on it).
+        self._max_seqlens = (call.max_seqlen_q, call.max_seqlen_k) if call.varlen else (None, None)
 
     def run(self, q: Tensor, k: Tensor, v: Tensor, out: Tensor) -> Tuple[Tensor, Tensor]:
         if self._forward is not None:
@@ -101,7 +103,8 @@ class Planned:
                                                mask_cnt=blocks.mask_cnt, mask_idx=blocks.mask_idx,
                                                cu_total_m_blocks=blocks.cu_total_m_blocks,
                                                cu_block_idx_offsets=blocks.cu_block_idx_offsets,
-                                               cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k)
+                                               cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
+                                               max_seqlen_q=self._max_seqlens[0], max_seqlen_k=self._max_seqlens[1])
         return out, self._direct(q=q, k=k, v=v, out=out, **_list_args(blocks, cu_seqlens_q, cu_seqlens_k), **self._bound)
 
 

@@ -373,7 +373,8 @@ public:
                   c10::optional<bool> pack_gqa, bool graph_launch)
         : device_(q.device()), dtype_(q.scalar_type()), q_sizes_(q.sizes().vec()), q_strides_(q.strides().vec()),
           k_sizes_(k.sizes().vec()), k_strides_(k.strides().vec()), v_strides_(v.strides().vec()),
-          out_strides_(out.strides().vec()), graph_launch_(graph_launch) {
+          out_strides_(out.strides().vec()), planned_max_seqlen_q_(max_seqlen_q.value_or(0)),
+          planned_max_seqlen_k_(max_seqlen_k.value_or(0)), graph_launch_(graph_launch) {
         c10::cuda::CUDAGuard device_guard{q.device()};
         launch_ = prepare_sparse(q, k, v, out, full_cnt, full_idx, mask_cnt, mask_idx, cu_total_m_blocks,
                                  cu_block_idx_offsets, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
@@ -402,8 +403,18 @@ public:
                         at::Tensor full_cnt, at::Tensor full_idx, c10::optional<at::Tensor> mask_cnt,
                         c10::optional<at::Tensor> mask_idx, c10::optional<at::Tensor> cu_total_m_blocks,
                         c10::optional<at::Tensor> cu_block_idx_offsets, c10::optional<at::Tensor> cu_seqlens_q,
-                        c10::optional<at::Tensor> cu_seqlens_k, c10::optional<at::Tensor> softmax_lse) {
+                        c10::optional<at::Tensor> cu_seqlens_k, c10::optional<int64_t> max_seqlen_q,
+                        c10::optional<int64_t> max_seqlen_k, c10::optional<at::Tensor> softmax_lse) {
         check_planned(q, k, v, out, "SparseForward.run_with");
+        if (cu_seqlens_q.has_value()) {
+            // The tile choice, split count and combine grid were sized for the planned longest
+            // sequences; new cu_seqlens must come with the caller's bound on theirs (read here
+            // without a host sync), no longer than planned.
+            TORCH_CHECK(max_seqlen_q.has_value() && max_seqlen_k.has_value()
+                        && *max_seqlen_q <= planned_max_seqlen_q_ && *max_seqlen_k <= planned_max_seqlen_k_,
+                        "SparseForward.run_with: new cu_seqlens need max_seqlen_q and max_seqlen_k of at most the "
+                        "planned ", planned_max_seqlen_q_, " and ", planned_max_seqlen_k_, "; plan again for longer sequences");
+        }
         ListTensors const lists{full_cnt, full_idx, mask_cnt, mask_idx, cu_total_m_blocks, cu_block_idx_offsets,
                                 cu_seqlens_q, cu_seqlens_k};
         for (size_t i = 0; i < lists.size(); ++i) {
@@ -535,6 +546,7 @@ private:
     SparseLaunch launch_;
     std::vector<int64_t> lse_sizes_;
     int64_t out_accum_numel_ = 0, lse_accum_numel_ = 0;
+    int64_t planned_max_seqlen_q_, planned_max_seqlen_k_;  // varlen: the bounds run_with's cu_seqlens must keep
     bool released_ = false;
     bool graph_launch_;
     std::unique_ptr<KernelGraph> graph_;  // made by the first eager run with graph_launch
@@ -641,7 +653,8 @@ int flash_sparse_add_python_api(PyObject *module) {
                  "a new one unless softmax_lse is given",
                  py::arg("q"), py::arg("k"), py::arg("v"), py::arg("out"), py::arg("full_cnt"), py::arg("full_idx"),
                  py::arg("mask_cnt"), py::arg("mask_idx"), py::arg("cu_total_m_blocks"), py::arg("cu_block_idx_offsets"),
-                 py::arg("cu_seqlens_q"), py::arg("cu_seqlens_k"), py::arg("softmax_lse") = py::none())
+                 py::arg("cu_seqlens_q"), py::arg("cu_seqlens_k"), py::arg("max_seqlen_q") = py::none(),
+                 py::arg("max_seqlen_k") = py::none(), py::arg("softmax_lse") = py::none())
             .def("release_run_buffers", &SparseForward::release_run_buffers,
                  "Free run's LSE, split partials and tile counter (run_with allocates its own); run is refused after");
         m.def("fwd_into", &mha_fwd_sparse_into, "fwd_out without the dispatcher: the forward into out; returns the LSE",
