@@ -174,7 +174,7 @@ def test_the_one_shot_plan_plans_once_and_passes_a_new_lse_per_call(monkeypatch)
     assert out1 is not out2 and bool((out1 == 1).all())
     assert runs[1]["full_idx"] is other.full_idx and set(runs[0]) == {
         "q", "k", "v", "out", "full_cnt", "full_idx", "mask_cnt", "mask_idx", "cu_total_m_blocks",
-        "cu_block_idx_offsets", "cu_seqlens_q", "cu_seqlens_k"}
+        "cu_block_idx_offsets", "cu_seqlens_q", "cu_seqlens_k", "max_seqlen_q", "max_seqlen_k"}
     given = torch.zeros_like(q)
     result, _ = fa3.plan(call, 2, None).run_any_out(q, k, v, given)
     assert len(made) == 2 and launched[-1][0] == "fwd_into" and result is given
