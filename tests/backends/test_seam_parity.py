@@ -133,14 +133,16 @@ def test_fa3_eager_entry_points_take_the_op_fwd_outs_names_in_order(anchor):
 
 def test_fa3_run_with_takes_the_op_fwd_outs_tensors_and_an_lse():
     """SparseForward.run_with (the one-shot launcher's call) names q, k, v, out and then fwd_out's
-    list and offset tensors in fwd_out's order, then an optional softmax_lse (default None: a new
-    one)."""
+    list and offset tensors in fwd_out's order, then fwd_out's max_seqlen_q and max_seqlen_k (the
+    new cu_seqlens' bound) and an optional softmax_lse (default None: a new one)."""
     text = FA3_HOST.read_text()
     body = text[text.index('.def("run_with"'):]
     names = re.findall(r'py::arg\("(\w+)"\)', body[:body.index(");")])
     tensors = [n for n in _fa3_schema_names("fwd_out") if n not in ("q", "k", "v", "out")][:8]
     assert tensors[-1] == "cu_seqlens_k"
-    assert names == ["q", "k", "v", "out"] + tensors + ["softmax_lse"]
+    maxima = [n for n in _fa3_schema_names("fwd_out") if n.startswith("max_seqlen")]
+    assert maxima == ["max_seqlen_q", "max_seqlen_k"]
+    assert names == ["q", "k", "v", "out"] + tensors + maxima + ["softmax_lse"]
     assert 'py::arg("softmax_lse") = py::none()' in body[:body.index(");")]
 
 
