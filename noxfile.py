@@ -108,5 +108,5 @@ def upstream_tests(session: nox.Session) -> None:
 
 @nox.session
 def sanitize(session: nox.Session) -> None:
-    """Run compute-sanitizer (memcheck, racecheck, initcheck) over the sparse kernels on a GPU."""
+    """Run compute-sanitizer (memcheck, racecheck, initcheck, synccheck) over the sparse kernels on a GPU."""
     session.run(sys.executable, "tests/sanitize.py", *session.posargs)

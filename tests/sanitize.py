@@ -1,5 +1,5 @@
 """compute-sanitizer over every sparse kernel: `python tests/sanitize.py` (nox -s sanitize).
-`python tests/sanitize.py --fuzz-subset [N]` runs the three tools over the fuzzer's adversarial
+`python tests/sanitize.py --fuzz-subset [N]` runs the tools over the fuzzer's adversarial
 subset instead (tests/fuzz/run.py --sanitizer-subset: N configurations, default 60 (the GPU runner passes 30), every backend,
 at most 6 FA-4 kernel classes), printing per tool the case count, its error count and the
 fuzzer's own failure count.

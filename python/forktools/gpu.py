@@ -509,7 +509,7 @@ def add_parser(commands) -> None:
     command.add_argument("--sanitize-args", default="", metavar="ARGS",
                          help="sanitize step: more tests/sanitize.py arguments (--tools, --only fa3, --module-loading eager)")
     command.add_argument("--sanitize-fuzz-count", type=int, default=30, metavar="N",
-                         help="sanitize-fuzz's configurations (30 fit the step's 420 s for the three tools)")
+                         help="sanitize-fuzz's configurations (30 fit the step's 420 s)")
     command.add_argument("--fuzz-seed", type=int, default=0)
     command.add_argument("--fuzz-budget-s", type=int, default=240,
                          help="fuzz: seconds after which no configuration is drawn")
