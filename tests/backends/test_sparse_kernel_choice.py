@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 REPO = Path(__file__).resolve().parents[2]
 HOPPER_OVERLAY = REPO / "patches" / "overlay" / "flash-attn-3" / "hopper"
@@ -130,3 +131,43 @@ def test_the_python_mirror_of_packing_agrees_with_the_host(chooser):
         mirror = fa3_ops._packs_query_heads(call["heads"] // 8, call["table_heads"], call["heads"],
                                             call["q_block_size"], call["seqlen_q"])
         assert bool(choice["pack"]) == mirror or choice["refusal"], (call, choice)
+
+
+@pytest.mark.parametrize("flag", [None, *FLAGS])
+def test_the_build_reports_what_it_compiled_out(tmp_path, flag):
+    """sparse_build_disabled (flash_attn_3._C.sparse_disabled), which fa3_ops.disabled reads to
+    route around what a narrowed build lacks, names exactly the flags it was compiled with."""
+    (tmp_path / "report.cpp").write_text('#include <cstdio>\n#include "sparse_kernel_choice.h"\n'
+                                         'int main() { for (auto const &f : sparse_build_disabled()) std::printf("%s\\n", f.c_str()); }\n')
+    defines = [f"-DFLASHATTENTION_DISABLE_{flag}"] if flag else []
+    subprocess.run(["g++", "-std=c++17", "-Wall", "-Werror", *defines, f"-I{HOPPER_OVERLAY}", str(tmp_path / "report.cpp"),
+                    "-o", str(tmp_path / "report")], check=True)
+    printed = subprocess.run([str(tmp_path / "report")], capture_output=True, text=True, check=True).stdout.split()
+    assert printed == ([flag] if flag else [])
+
+
+@pytest.mark.parametrize("flag, call, reason", [
+    ("VARLEN", dict(varlen=True), "DISABLE_VARLEN"), ("FP16", dict(dtype=torch.float16), "DISABLE_FP16"),
+    ("HDIM64", dict(head_dim=64), "DISABLE_HDIM64"), ("HDIM128", dict(), "DISABLE_HDIM128"),
+])
+def test_the_python_refusal_routes_around_what_the_build_lacks(monkeypatch, flag, call, reason):
+    """fa3_ops.refusal names a compiled-out feature the call needs, so `auto` takes another backend
+    instead of a refusal from the host; a build without PackGQA packs nothing."""
+    from flash_attn_sparse import SparseBlocks
+    monkeypatch.setitem(fa3_ops._DISABLED, "answer", (flag,))
+    monkeypatch.setattr(fa3_ops, "_on_sm90", lambda q: True)
+    d = call.get("head_dim", 128)
+    q = torch.zeros(1, 4, 8, d, dtype=call.get("dtype", torch.bfloat16))
+    k = torch.zeros(1, 256, 2, d, dtype=q.dtype)
+    if call.get("varlen"):
+        q, k = q[0], k[0]
+        blocks = SparseBlocks(torch.ones(2, 1, dtype=torch.int32), torch.zeros(2, 1, dtype=torch.int32),
+                              cu_total_m_blocks=torch.tensor([0, 1], dtype=torch.int32),
+                              cu_block_idx_offsets=torch.tensor([0, 1], dtype=torch.int32), block_size=128)
+    else:
+        blocks = SparseBlocks(torch.ones(1, 2, 1, dtype=torch.int32), torch.zeros(1, 2, 1, 1, dtype=torch.int32), block_size=128)
+    assert reason in fa3_ops.refusal(q, k, blocks, varlen=bool(call.get("varlen")), max_seqlen_q=4)
+    monkeypatch.setitem(fa3_ops._DISABLED, "answer", ())
+    assert fa3_ops.refusal(q, k, blocks, varlen=bool(call.get("varlen")), max_seqlen_q=4) is None
+    monkeypatch.setitem(fa3_ops._DISABLED, "answer", ("PACKGQA",))
+    assert not fa3_ops._packs_query_heads(4, 2, 8, 128, 4)

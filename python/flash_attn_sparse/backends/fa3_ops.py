@@ -28,6 +28,7 @@ HEAD_DIMS = (64, 128)  # the instantiated head dims (generate_kernels_sparse.py)
 # wrapper with a warning, and these are asked on traced calls (routing).
 _MISSING_BUILD: dict = {}
 _CAPABILITIES: dict = {}
+_DISABLED: dict = {}
 
 
 @torch.compiler.assume_constant_result  # an import is not traceable; the answer is fixed per process
@@ -49,6 +50,17 @@ def _why_not_built() -> Optional[str]:
 
 
 @torch.compiler.assume_constant_result
+def disabled() -> Tuple[str, ...]:
+    """The FLASH_ATTENTION_DISABLE_* flags (suffixes: VARLEN, PACKGQA, SPLIT, HDIM64, HDIM128, FP16)
+    this flash_attn_3 build was compiled with, as its extension reports them (none for a build
+    that predates the report, or no build)."""
+    if "answer" not in _DISABLED:
+        report = _extension_attribute("sparse_disabled") if missing_build() is None else None
+        _DISABLED["answer"] = tuple(report()) if report is not None else ()
+    return _DISABLED["answer"]
+
+
+@torch.compiler.assume_constant_result
 def _capability(device_index: int) -> Tuple[int, int]:
     if device_index not in _CAPABILITIES:
         _CAPABILITIES[device_index] = torch.cuda.get_device_capability(device_index)
@@ -63,7 +75,7 @@ def _packs_query_heads(group: int, list_heads: int, num_heads: int, q_block_size
     """The host's PackGQA choice (pack_gqa=None), for any group: the query heads of a K/V head
     share tiles when they share lists (shared or per K/V head) and no tile straddles two list
     rows: one list row covers every query, or a list row's packed rows fill whole tiles."""
-    return (group > 1 and list_heads != num_heads
+    return (group > 1 and list_heads != num_heads and "PACKGQA" not in disabled()
             and (q_block_size >= seqlen_q or (q_block_size * group) % TILE_M == 0))
 
 
@@ -85,6 +97,10 @@ def refusal(q: Tensor, k: Tensor, blocks: SparseBlocks, *, varlen: bool, paged: 
         return f"the FA-3 sparse kernel takes fp16 or bf16 q and k of one dtype, got {q.dtype} and {k.dtype}"
     if q.shape[-1] not in HEAD_DIMS or k.shape[-1] != q.shape[-1]:
         return f"the FA-3 sparse kernel has head dims {HEAD_DIMS} (K and V equal to Q), got {q.shape[-1]}"
+    compiled_out = [flag for flag, needed in (("FP16", q.dtype == torch.float16), (f"HDIM{q.shape[-1]}", True),
+                                              ("VARLEN", varlen)) if needed and flag in disabled()]
+    if compiled_out:
+        return f"this flash_attn_3 build has no such kernels (FLASH_ATTENTION_DISABLE_{compiled_out[0]})"
     if paged:
         return "the FA-3 sparse kernel has no paged K/V"
     if blocks.block_size != BLOCK_SIZE:

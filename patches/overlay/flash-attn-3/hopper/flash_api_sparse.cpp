@@ -663,6 +663,8 @@ int flash_sparse_add_python_api(PyObject *module) {
               py::arg("cu_seqlens_q"), py::arg("cu_seqlens_k"), py::arg("max_seqlen_q"), py::arg("max_seqlen_k"),
               py::kw_only(), py::arg("softmax_scale"), py::arg("block_size"), py::arg("q_block_size"),
               py::arg("causal"), py::arg("num_splits"), py::arg("pack_gqa"));
+        m.def("sparse_disabled", &sparse_build_disabled,
+              "The FLASH_ATTENTION_DISABLE_* flags (suffixes) of this build that the sparse path reads");
     } catch (py::error_already_set &error) {
         error.restore();
         return -1;

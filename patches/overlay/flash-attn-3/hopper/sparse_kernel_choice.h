@@ -9,6 +9,7 @@
 
 #include <algorithm>
 #include <string>
+#include <vector>
 
 #include "sparse_params.h"
 
@@ -42,6 +43,31 @@ inline int sparse_auto_num_splits(int num_tiles, int num_sm, int max_list_blocks
     if (num_tiles >= num_sm) { return 1; }
     int const by_sms = num_sm / std::max(num_tiles, 1);
     return std::max(1, std::min({by_sms, max_list_blocks / 2, kSparseMaxSplits}));
+}
+
+// The FLASH_ATTENTION_DISABLE_* flags (their suffixes) this build was compiled with that the
+// sparse path reads, for callers that route around what is missing (flash_attn_3._C.sparse_disabled).
+inline std::vector<std::string> sparse_build_disabled() {
+    std::vector<std::string> disabled;
+#ifdef FLASHATTENTION_DISABLE_VARLEN
+    disabled.push_back("VARLEN");
+#endif
+#ifdef FLASHATTENTION_DISABLE_PACKGQA
+    disabled.push_back("PACKGQA");
+#endif
+#ifdef FLASHATTENTION_DISABLE_SPLIT
+    disabled.push_back("SPLIT");
+#endif
+#ifdef FLASHATTENTION_DISABLE_HDIM64
+    disabled.push_back("HDIM64");
+#endif
+#ifdef FLASHATTENTION_DISABLE_HDIM128
+    disabled.push_back("HDIM128");
+#endif
+#ifdef FLASHATTENTION_DISABLE_FP16
+    disabled.push_back("FP16");
+#endif
+    return disabled;
 }
 
 // What this build compiled out that the call needs, or "".
