@@ -22,11 +22,10 @@ import os
 import shutil
 import tarfile
 import tempfile
-import tomllib
 import urllib.parse
 from pathlib import Path, PurePosixPath
 
-from forktools import ToolError, downloads, treeid
+from forktools import ToolError, downloads, lockfile, treeid
 from forktools.layout import Layout
 
 URL_ENV = "FORKTOOLS_GITHUB_URL"
@@ -46,19 +45,10 @@ class GithubTree:
 
 def load(lock: Path) -> list[GithubTree]:
     """The [[github]] tables of the lock file, in order."""
-    with open(lock, "rb") as file:
-        tables = tomllib.load(file).get("github", [])
     try:
-        return [GithubTree(**table) for table in tables]
+        return [GithubTree(**table) for table in lockfile.tables(lock, "github")]
     except TypeError as err:
         raise ToolError(f"{lock}: a [[github]] table is malformed: {err}") from None
-
-
-def named(pins: list[GithubTree], name: str) -> GithubTree:
-    for pin in pins:
-        if pin.name == name:
-            return pin
-    raise ToolError(f"the lock file pins no GitHub tree {name!r}")
 
 
 def archive_url(pin: GithubTree) -> str:

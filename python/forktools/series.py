@@ -13,7 +13,7 @@ import shutil
 import tempfile
 from pathlib import Path
 
-from forktools import ToolError, gittree, overlay, patchfile, upstream
+from forktools import ToolError, gittree, lockfile, overlay, patchfile, upstream
 from forktools.layout import Layout
 from forktools.patchfile import Patch, PatchError
 from forktools.upstream import Pin
@@ -108,7 +108,7 @@ def materialize(layout: Layout, name: str, dest: Path) -> None:
     """A plain patched copy of upstream `name` (committed series plus overlay, no git) at dest,
     which must not exist: what a build compiles."""
     pins = upstream.load_pins(layout.lock)
-    pin = upstream.pin_named(pins, name)
+    pin = lockfile.named(pins, name, "upstream")
     series = read_series(layout.series)
     problems = _base_problems(series, pins)
     if problems:

@@ -15,11 +15,10 @@ from __future__ import annotations
 import dataclasses
 import shutil
 import tarfile
-import tomllib
 import zipfile
 from pathlib import Path
 
-from forktools import ToolError, downloads, github, treeid
+from forktools import ToolError, downloads, github, lockfile, treeid
 from forktools.layout import Layout
 
 FA3 = "flash-attn-3"
@@ -46,19 +45,10 @@ class WheelPin:
 
 
 def load_wheels(lock: Path) -> list[WheelPin]:
-    with open(lock, "rb") as file:
-        tables = tomllib.load(file).get("wheel", [])
     try:
-        return [WheelPin(**table) for table in tables]
+        return [WheelPin(**table) for table in lockfile.tables(lock, "wheel")]
     except TypeError as err:
         raise ToolError(f"{lock}: a [[wheel]] table is malformed: {err}") from None
-
-
-def _named(items: list, name: str):
-    for item in items:
-        if item.name == name:
-            return item
-    raise ToolError(f"the lock file pins no {name!r}")
 
 
 def fetch(layout: Layout, offline: bool = False, mirror: Path | str | None = None) -> None:
@@ -82,8 +72,8 @@ def fetch(layout: Layout, offline: bool = False, mirror: Path | str | None = Non
 
 def compose_fa3(layout: Layout, sdist: Path, dest: Path) -> None:
     """Lay the pristine FA-3 tree at dest (which must not exist); see the module docstring."""
-    hopper = github.named(github.load(layout.lock), FA3_TREE)
-    cutlass = _named(load_wheels(layout.lock), CUTLASS_WHEEL)
+    hopper = lockfile.named(github.load(layout.lock), FA3_TREE, "github")
+    cutlass = lockfile.named(load_wheels(layout.lock), CUTLASS_WHEEL, "wheel")
     downloads.verify_sha256(layout.cache / cutlass.wheel, cutlass.sha256)
     dest.mkdir(parents=True)
     github.unpack(layout, hopper, dest)

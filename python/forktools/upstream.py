@@ -19,7 +19,7 @@ import tempfile
 import tomllib
 from pathlib import Path
 
-from forktools import ToolError, github, gittree, sources
+from forktools import ToolError, github, gittree, lockfile, sources
 from forktools.downloads import pip_download, verify_sha256
 from forktools.layout import Layout
 
@@ -45,28 +45,18 @@ class Pin:
 
 def load_pins(lock: Path) -> list[Pin]:
     """The [[upstream]] tables of the lock file, in order."""
-    with open(lock, "rb") as file:
-        tables = tomllib.load(file).get("upstream", [])
     try:
-        return [_pin(lock, table) for table in tables]
+        return [_pin(lock, table) for table in lockfile.tables(lock, "upstream")]
     except KeyError as missing:
         raise ToolError(f"{lock}: an [[upstream]] table lacks {missing}") from None
 
 
 def _pin(lock: Path, table: dict) -> Pin:
     if table.get("composed", False):
-        tree = github.named(github.load(lock), table["github"]).tree
+        tree = lockfile.named(github.load(lock), table["github"], "github").tree
         return Pin(name=table["name"], version=table["version"], composed=True, tree=tree)
     return Pin(name=table["name"], version=table["version"], sdist=table["sdist"], sha256=table["sha256"],
                download_args=tuple(table.get("download_args", ())), download_env=dict(table.get("download_env", {})))
-
-
-def pin_named(pins: list[Pin], name: str) -> Pin:
-    for pin in pins:
-        if pin.name == name:
-            return pin
-    raise ToolError(f"no upstream named {name!r} in the lock file (it has: "
-                    f"{', '.join(pin.name for pin in pins)})")
 
 
 def fetch(layout: Layout, offline: bool = False, mirror: Path | str | None = None) -> None:
@@ -113,7 +103,7 @@ def recorded_trees(layout: Layout) -> dict[str, Path]:
 def record_tree(layout: Layout, name: str, tree: Path | str) -> None:
     """Use the source tree at `tree` (e.g. a git checkout of the pinned release) instead of the
     sdist for upstream `name`, after checking it is that release where its version can be read."""
-    pin = pin_named(load_pins(layout.lock), name)
+    pin = lockfile.named(load_pins(layout.lock), name, "upstream")
     tree = Path(tree).resolve()
     if not tree.is_dir():
         raise ToolError(f"{tree} is not a directory")
@@ -183,13 +173,13 @@ def _tag_version(pin: Pin, tree: Path) -> str | None:
 def unpack(layout: Layout, name: str, dest: Path) -> None:
     """Put the pristine source of upstream `name` at `dest`, which must not exist: the contents of
     the verified sdist's single top folder, or a copy (without .git) of the recorded tree."""
-    pin = pin_named(load_pins(layout.lock), name)
+    pin = lockfile.named(load_pins(layout.lock), name, "upstream")
     if dest.exists() or dest.is_symlink():
         raise ToolError(f"{dest} already exists")
     dest.parent.mkdir(parents=True, exist_ok=True)
     tree = recorded_trees(layout).get(name)
     if pin.composed:
-        flash_attn = pin_named(load_pins(layout.lock), "flash-attn")
+        flash_attn = lockfile.named(load_pins(layout.lock), "flash-attn", "upstream")
         verify_sha256(layout.cache / flash_attn.sdist, flash_attn.sha256)
         sources.compose_fa3(layout, layout.cache / flash_attn.sdist, dest)
     elif tree is None:

@@ -26,7 +26,7 @@ REPO = Path(__file__).resolve().parents[2]
 # python/flash_attn_sparse for the other test modules (see conftest.py).
 sys.path.append(str(REPO / "python"))
 
-from forktools import ToolError, build_fa3, patchfile, series, stages, upstream, variant  # noqa: E402
+from forktools import ToolError, build_fa3, lockfile, patchfile, series, stages, upstream, variant  # noqa: E402
 from forktools.__main__ import main  # noqa: E402
 from forktools.layout import Layout  # noqa: E402
 from forktools.patchfile import PatchError  # noqa: E402
@@ -221,7 +221,7 @@ def test_real_flash_attn_sdist_unpacks_and_its_version_is_checked(tmp_path: Path
     tree = tmp_path / "flash-attn"
     upstream.unpack(layout, "flash-attn", tree)
     assert (tree / "setup.py").exists() and (tree / "csrc").is_dir()
-    pin = upstream.pin_named(upstream.load_pins(layout.lock), "flash-attn")
+    pin = lockfile.named(upstream.load_pins(layout.lock), "flash-attn", "upstream")
     assert upstream.tree_version(pin, tree) == "2.8.3.post2"
 
     (tree / "PKG-INFO").unlink()  # as in a git checkout: flash_attn/__init__.py decides

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from forktools import ToolError, build_fa3, github, series, treeid
+from forktools import ToolError, build_fa3, github, lockfile, series, treeid
 from forktools.layout import Layout
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -55,7 +55,7 @@ def _layout_with_pin(tmp_path, pin: github.GithubTree) -> Layout:
 
 @pytest.mark.skipif(not (MIRROR / "flash-attention-v2.8.3-hopper.tar.gz").exists(), reason="no upstream mirror")
 def test_mirror_archive_verified_by_tree_id_and_mismatches_refused(tmp_path):
-    hopper = github.named(github.load(ROOT / "upstream" / "lock.toml"), "flash-attention-hopper")
+    hopper = lockfile.named(github.load(ROOT / "upstream" / "lock.toml"), "flash-attention-hopper", "github")
     layout = _layout_with_pin(tmp_path / "ok", hopper)
     github.fetch(layout, [hopper], offline=True, mirror=MIRROR)
     assert (layout.cache / hopper.archive).exists()

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from forktools import ToolError, downloads, github, upstream
+from forktools import ToolError, downloads, github, lockfile, upstream
 from forktools.__main__ import main
 from forktools.layout import Layout
 
@@ -146,7 +146,7 @@ def test_upstream_downloads_the_commit_archive_and_caches_each_tree_verified(fre
 
 @needs_mirror
 def test_a_tampered_tree_is_refused_by_tree_id_before_anything_is_cached(fresh_clone: Layout, monkeypatch, capsys):
-    hopper = github.named(PINS, "flash-attention-hopper")
+    hopper = lockfile.named(PINS, "flash-attention-hopper", "github")
     tampered = github_archive(hopper.commit, tamper="hopper/flash_fwd_launch_template.h")
     with serving({_archive_path(hopper): tampered}) as (url, _):
         monkeypatch.setenv(github.URL_ENV, url)
@@ -163,7 +163,7 @@ def test_a_tampered_tree_is_refused_by_tree_id_before_anything_is_cached(fresh_c
 
 @needs_mirror
 def test_a_cached_tree_changed_afterwards_is_refused_before_it_is_unpacked(fresh_clone: Layout):
-    hopper = github.named(PINS, "flash-attention-hopper")
+    hopper = lockfile.named(PINS, "flash-attention-hopper", "github")
     cached = fresh_clone.cache / hopper.archive
     shutil.copyfile(MIRROR / hopper.archive, cached)
     with tarfile.open(cached) as tar:
