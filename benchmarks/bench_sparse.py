@@ -675,15 +675,9 @@ def main():
 
 
 def source_commit() -> str:
-    """The commit benchmarked: git's, or .commit where the tree was copied without .git."""
-    import subprocess
-    root = Path(__file__).resolve().parent.parent
-    try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True, text=True,
-                              check=True).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        marker = root / ".commit"
-        return marker.read_text().strip() if marker.exists() else "unknown"
+    """The commit benchmarked (the GPU runner's reading of this checkout)."""
+    from forktools.gpu import source_commit as commit_of
+    return commit_of(Path(__file__).resolve().parent.parent)
 
 
 def installed_version(distribution: str) -> str:
