@@ -170,7 +170,35 @@ def fa3_cases(randn):
     for num_splits in (1, 2):
         fas.flash_attn_varlen_with_sparse_blocks(qv, kv, vv, vblocks, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=130,
                                                  max_seqlen_k=700, num_splits=num_splits, backend="fa3")
+    fa3_paged_cases(randn, q, per_head, vblocks, cu_q)
     print("fa3: ok", flush=True)
+
+
+def fa3_paged_cases(randn, q, blocks, vblocks, cu_q):
+    """FA-3 over paged K/V (pages of 128 and 256 keys, permuted), seqused_k short of the table
+    (its tail ids garbage) and longer than it (cut to the table), a bad page id in the used range
+    (past the cache, negative, INT_MAX; unvalidated), and a varlen paged call with seqused_k."""
+    for page in (128, 256):
+        n_cols = -(-1000 // page)
+        perm = torch.randperm(2 * n_cols + 3, generator=torch.Generator().manual_seed(page)).cuda()
+        page_table = perm[:2 * n_cols].view(2, n_cols).to(torch.int32).contiguous()
+        page_table[1, -1] = -1
+        k_cache, v_cache = randn(perm.numel(), page, 2, 128), randn(perm.numel(), page, 2, 128)
+        bad = page_table.clone()
+        bad[0, 0], bad[0, 1], bad[1, 0] = perm.numel() + 5, -3, 2 ** 31 - 1
+        for seqused in ([1000, 1000 - page - 5], [n_cols * page + 300, 7]):
+            seqused_k = torch.tensor(seqused, dtype=torch.int32, device="cuda")
+            for table in (page_table, bad):
+                for num_splits in (1, 3):
+                    fas.flash_attn_with_sparse_block_table(q, k_cache, v_cache, blocks, num_splits=num_splits, seqused_k=seqused_k,
+                                                           page_table=table, backend="fa3")
+        qv = randn(int(cu_q[-1]), 8, 128)
+        for num_splits in (1, 2):
+            fas.flash_attn_varlen_with_sparse_blocks(qv, k_cache, v_cache, vblocks, cu_seqlens_q=cu_q,
+                                                     cu_seqlens_k=torch.tensor([0, 300, 400, 1100], dtype=torch.int32, device="cuda"),
+                                                     max_seqlen_q=130, max_seqlen_k=700, num_splits=num_splits, backend="fa3",
+                                                     seqused_k=torch.tensor([300, 100, 700], dtype=torch.int32, device="cuda"),
+                                                     page_table=torch.cat([bad, page_table[:1]]))
 
 
 MANY_TILES = "fa3-many-tiles"  # the --only value of the many-tile cases

@@ -14,6 +14,7 @@ import pytest
 import torch
 
 import flash_attn_sparse as fas
+from contract import backend_present
 from flash_attn_sparse import SparseBlocks
 from flash_attn_sparse.reference import visibility_from_lists
 from helpers import assert_close_to_reference, gather_speculative, missed_and_spec, random_qkv
@@ -33,6 +34,13 @@ def poison_past(k, v, seqused):
     for b, used in enumerate(seqused):
         k[b, used:] = float("nan")
         v[b, used:] = float("nan")
+
+
+def garbage_past(page_table, seqused, page_size):
+    """Ids no cache holds in each row's columns past seqused (an engine's stale entries): never read."""
+    for b, used in enumerate(seqused):
+        tail = page_table[b, cdiv(used, page_size):]
+        tail.copy_(torch.tensor([-7, 2**30, -(2**31), 2**31 - 1], dtype=torch.int32).repeat(cdiv(tail.numel(), 4))[:tail.numel()])
 
 
 def page_out(k, v, page_size, generator, extra_pages=5, interleaved=False):
@@ -96,14 +104,20 @@ def assert_bitwise_equal(a, b, what):
     assert torch.equal(a, b), f"{what}: paged differs from contiguous, max diff {diff:.3e}"
 
 
+# FA-2 takes pages that divide a block or are a multiple of it; FA-3 pages of whole 128-key blocks.
+PAGED_CASES = [("fa2", 16, 128), ("fa2", 64, 64), ("fa2", 256, 64), ("fa2", 48, 16), ("fa3", 128, 128), ("fa3", 256, 128)]
+
+
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("head_dim,dtype", [(64, torch.float16), (64, torch.bfloat16), (128, torch.float16), (128, torch.bfloat16)],
                          ids=["d64-fp16", "d64-bf16", "d128-fp16", "d128-bf16"])
 @pytest.mark.parametrize("num_splits", [1, 3], ids=["nosplit", "split3"])
 @pytest.mark.parametrize("seqlen_q", [1, 16, 128])
-@pytest.mark.parametrize("page_size,block_size", [(16, 128), (64, 64), (256, 64), (48, 16)],
-                         ids=["page16<block128", "page64=block64", "page256>block64", "page48>block16"])
-def test_paged_equals_contiguous(page_size, block_size, seqlen_q, num_splits, head_dim, dtype, causal):
+@pytest.mark.parametrize("backend,page_size,block_size", PAGED_CASES,
+                         ids=[f"{b}-page{p}-block{s}" for b, p, s in PAGED_CASES])
+def test_paged_equals_contiguous(backend, page_size, block_size, seqlen_q, num_splits, head_dim, dtype, causal):
+    """Also seqused_k shorter than the cache, and garbage ids in the table past it."""
+    backend_present(backend)
     seed = zlib.crc32(repr((page_size, block_size, seqlen_q, num_splits, head_dim, dtype, causal)).encode())
     g = torch.Generator(device="cuda").manual_seed(seed)
     n_cols = cdiv(max(SEQUSED), page_size) + 1  # one spare (NaN) column in every row of the table
@@ -111,14 +125,16 @@ def test_paged_equals_contiguous(page_size, block_size, seqlen_q, num_splits, he
     clean_k, clean_v = k.clone(), v.clone()
     poison_past(k, v, SEQUSED)
     k_cache, v_cache, page_table = page_out(k, v, page_size, torch.Generator().manual_seed(seed))
+    garbage_past(page_table, SEQUSED, page_size)
     full, mask = random_lists(SEQUSED, seqlen_q, block_size, causal, random.Random(seed))
     blocks = SparseBlocks.from_lists(full, mask if causal else None, block_size=block_size, device="cuda")
     seqused_k = torch.tensor(SEQUSED, dtype=torch.int32, device="cuda")
 
     out, lse = fas.flash_attn_with_sparse_block_table(q, k_cache, v_cache, blocks, causal=causal, num_splits=num_splits,
-                                                      seqused_k=seqused_k, page_table=page_table, validate="full")
+                                                      seqused_k=seqused_k, page_table=page_table, validate="full",
+                                                      backend=backend)
     ref_out, ref_lse = fas.flash_attn_with_sparse_block_table(q, k, v, blocks, causal=causal, num_splits=num_splits,
-                                                              seqused_k=seqused_k)
+                                                              seqused_k=seqused_k, backend=backend)
     assert_bitwise_equal(out, ref_out, "out")
     assert_bitwise_equal(lse, ref_lse, "lse")
     check_against_reference(out, lse, q, clean_k, clean_v, full, mask, SEQUSED, block_size, causal)
@@ -242,14 +258,20 @@ def test_partials_over_paged_kv_equal_contiguous_bitwise():
     assert_bitwise_equal(paged[1], contiguous[1], "lse_partials")
 
 
-@pytest.mark.parametrize("page_size,block_size", [(16, 128), (64, 64), (256, 128)])
+VARLEN_PAGED_CASES = [("fa2", 16, 128), ("fa2", 64, 64), ("fa2", 256, 128), ("fa3", 128, 128), ("fa3", 256, 128)]
+
+
+@pytest.mark.parametrize("backend,page_size,block_size", VARLEN_PAGED_CASES,
+                         ids=[f"{b}-page{p}-block{s}" for b, p, s in VARLEN_PAGED_CASES])
 @pytest.mark.parametrize("num_splits", [1, 0], ids=["nosplit", "auto-splits"])
-def test_varlen_paged_sparse_with_out_equals_contiguous_varlen(page_size, block_size, num_splits):
+def test_varlen_paged_sparse_with_out_equals_contiguous_varlen(backend, page_size, block_size, num_splits):
     """The engine-shaped call (vLLM: cu_seqlens_q, a page table and out= in one call; issue 27):
     ragged queries mixing a prefill chunk, decode rows and an empty sequence, over permuted pages
-    (unused pages NaN), with per-(sequence, K/V head) lists: bitwise the contiguous varlen call,
-    and within tolerance of the fp64 oracle per sequence."""
+    (unused pages NaN, unused table entries -1), with per-(sequence, K/V head) lists: bitwise the
+    contiguous varlen call, and within tolerance of the fp64 oracle per sequence. FA-3 takes the
+    key counts as seqused_k (its paged layout has no cu_seqlens_k)."""
     from flash_attn_sparse.metadata import pack_varlen_lists
+    backend_present(backend)
     g = torch.Generator(device="cuda").manual_seed(27)
     rng = random.Random(27)
     seqlens_q, seqlens_k = [70, 1, 0, 16], [1531, 1000, 0, 777]
@@ -278,7 +300,9 @@ def test_varlen_paged_sparse_with_out_equals_contiguous_varlen(page_size, block_
             k_cache[page, :rows.stop - rows.start], v_cache[page, :rows.stop - rows.start] = k[rows], v[rows]
         start += sk
     common = dict(cu_seqlens_q=cu(seqlens_q), cu_seqlens_k=cu(seqlens_k), max_seqlen_q=max(seqlens_q),
-                  max_seqlen_k=max(seqlens_k), num_splits=num_splits, backend="fa2")
+                  max_seqlen_k=max(seqlens_k), num_splits=num_splits, backend=backend)
+    if backend == "fa3":
+        common["seqused_k"] = torch.tensor(seqlens_k, dtype=torch.int32, device="cuda")
     want, want_lse = fas.flash_attn_varlen_with_sparse_blocks(q, k, v, blocks, **common)
     out = torch.full_like(q, float("nan"))
     got, got_lse = fas.flash_attn_varlen_with_sparse_blocks(q, k_cache, v_cache, blocks, page_table=page_table, out=out,
@@ -294,3 +318,55 @@ def test_varlen_paged_sparse_with_out_equals_contiguous_varlen(page_size, block_
                                       q[q_start:q_start + sq][None], k[k_start:k_start + sk][None],
                                       v[k_start:k_start + sk][None], visible)
         q_start, k_start = q_start + sq, k_start + sk
+
+
+@pytest.mark.parametrize("backend", ["fa2", "fa3", "auto"])
+def test_graph_replay_reads_page_table_seqused_k_and_lists_updated_in_place(backend):
+    """A captured paged decode call replayed after the cache pages, the page table, seqused_k and
+    the lists are all rewritten in place (an engine's step): each replay equals the eager call
+    on the new contents bitwise, and the fp64 oracle."""
+    backend_present(backend)
+    page_size, block_size, seqlen_q, width = 128, 128, 4, 5
+    n_cols = cdiv(max(SEQUSED), page_size) + 1
+    rng = random.Random(53)
+
+    def step(seed, seqused):
+        """Fresh K/V paged out anew, seqused, and `width` listed blocks per (sequence, K/V head)."""
+        g = torch.Generator(device="cuda").manual_seed(seed)
+        _, k, v = random_qkv(BATCH, seqlen_q, n_cols * page_size, HEADS, HEADS_K, 128, torch.bfloat16, generator=g)
+        clean_k, clean_v = k.clone(), v.clone()
+        poison_past(k, v, seqused)
+        k_cache, v_cache, page_table = page_out(k, v, page_size, torch.Generator().manual_seed(seed))
+        garbage_past(page_table, seqused, page_size)
+        full = [[[rng.sample(range(cdiv(used, block_size)), width)] for _ in range(HEADS_K)] for used in seqused]
+        blocks = SparseBlocks.from_lists(full, block_size=block_size, device="cuda")
+        seqused_k = torch.tensor(seqused, dtype=torch.int32, device="cuda")
+        return dict(k_cache=k_cache, v_cache=v_cache, page_table=page_table, blocks=blocks, seqused_k=seqused_k,
+                    clean=(clean_k, clean_v), full=full, seqused=seqused)
+
+    g = torch.Generator(device="cuda").manual_seed(53)
+    q = torch.randn(BATCH, seqlen_q, HEADS, 128, device="cuda", generator=g).bfloat16()
+    live = step(1, SEQUSED)
+    out = torch.empty_like(q)
+    run = lambda: fas.flash_attn_with_sparse_block_table(  # noqa: E731
+        q, live["k_cache"], live["v_cache"], live["blocks"], seqused_k=live["seqused_k"], page_table=live["page_table"],
+        backend=backend, out=out)
+    run()  # the one-shot cache's plan, made outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        _, lse = run()
+    for seed, seqused in ((2, [700, 1531, 1024]), (3, [640, 1531, 1400])):
+        new = step(seed, seqused)
+        for name in ("k_cache", "v_cache", "page_table", "seqused_k"):
+            live[name].copy_(new[name])
+        live["blocks"].full_cnt.copy_(new["blocks"].full_cnt)
+        live["blocks"].full_idx.copy_(new["blocks"].full_idx)
+        out.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        want, want_lse = fas.flash_attn_with_sparse_block_table(q, new["k_cache"], new["v_cache"], new["blocks"],
+                                                                seqused_k=new["seqused_k"], page_table=new["page_table"],
+                                                                backend=backend)
+        assert_bitwise_equal(out, want, "out")
+        assert_bitwise_equal(lse, want_lse, "lse")
+        check_against_reference(out, lse, q, *new["clean"], new["full"], None, seqused, block_size, False)

@@ -3,6 +3,8 @@
 extension's fwd_into on the eager launcher, the ops fwd (allocates out) / fwd_out (writes the
 caller's out, no copy) on the traceable path. The kernel itself: test_stage4_fa3_sparse.py."""
 
+import re
+from pathlib import Path
 
 import pytest
 import torch
@@ -64,7 +66,10 @@ def test_the_host_rules_are_refused_with_their_reason(sm90):
     assert "block_size 128 only" in fa3_ops.refusal(q, k, SparseBlocks(shared.full_cnt, shared.full_idx, block_size=64),
                                                     varlen=False)
     assert "head dims" in fa3_ops.refusal(q[..., :96], k[..., :96], lists(), varlen=False)
-    assert "paged" in fa3_ops.refusal(q, k, lists(), varlen=False, paged=True)
+    assert "multiple of 128" in fa3_ops.refusal(q, k, lists(), varlen=False, page_size=64)
+    assert fa3_ops.refusal(q, k, lists(), varlen=False, page_size=128) is None
+    assert fa3_ops.refusal(q, k, lists(), varlen=False, page_size=256, seqused_k=True) is None
+    assert "seqused_k" in fa3_ops.refusal(q, k, lists(), varlen=True, page_size=128)
     # The op's "mask_idx must have the shape and strides of full_idx" (fuzzer seed 3, config 46):
     # the zero-copy speculative form's tables of two lengths are refused before the op.
     assert "mask lists of the full lists' shape and strides" in fa3_ops.refusal(q, k, lists(mask_width=5), varlen=False)
@@ -99,6 +104,19 @@ def fake_ops(monkeypatch, launched, with_direct):
     monkeypatch.setattr(fa3_ops, "planner", lambda: None)  # a build without SparseForward (see below)
 
 
+def binding_names(entry: str):
+    """The py::arg names flash_api_sparse.cpp binds `entry` (fwd_into, run_with) with, in order."""
+    source = (Path(__file__).parents[2] / "patches/overlay/flash-attn-3/hopper/flash_api_sparse.cpp").read_text()
+    binding = re.search(rf'\.def\("{entry}",(.*?)\)\s*(?:;|\n\s*\.def)', source, re.S)
+    assert binding, f"flash_api_sparse.cpp binds {entry}"
+    return re.findall(r'py::arg\("(\w+)"\)', binding.group(1))
+
+
+def test_the_bindings_take_the_tensors_of_a_paged_call():
+    for entry in ("fwd_into", "run_with"):
+        assert {"seqused_k", "page_table", "cu_seqlens_k", "full_idx"} <= set(binding_names(entry))
+
+
 @pytest.mark.parametrize("with_direct", [True, False])
 @pytest.mark.parametrize("given_out", [False, True])
 def test_the_one_shot_plan_writes_a_given_out_in_place_and_allocates_otherwise(monkeypatch, given_out, with_direct):
@@ -114,9 +132,7 @@ def test_the_one_shot_plan_writes_a_given_out_in_place_and_allocates_otherwise(m
     ((name, options),) = launched
     assert name == ("fwd_into" if with_direct else "fwd_out") and options["num_splits"] == 2
     if with_direct:
-        assert {"q", "k", "v", "out", "full_cnt", "full_idx", "mask_cnt", "mask_idx", "cu_total_m_blocks",
-                "cu_block_idx_offsets", "cu_seqlens_q", "cu_seqlens_k", "max_seqlen_q", "max_seqlen_k", "softmax_scale",
-                "block_size", "q_block_size", "causal", "num_splits", "pack_gqa"} == options.keys()
+        assert set(binding_names("fwd_into")) == options.keys()
     assert (result is out) == given_out and result.shape == q.shape and bool((result == 1).all())
 
 
@@ -172,9 +188,8 @@ def test_the_one_shot_plan_plans_once_and_passes_a_new_lse_per_call(monkeypatch)
     assert not launched and len(made) == 1
     assert lse1.shape == (B, H, SQ) and bool((lse1 == 1).all()) and bool((lse2 == 2).all())
     assert out1 is not out2 and bool((out1 == 1).all())
-    assert runs[1]["full_idx"] is other.full_idx and set(runs[0]) == {
-        "q", "k", "v", "out", "full_cnt", "full_idx", "mask_cnt", "mask_idx", "cu_total_m_blocks",
-        "cu_block_idx_offsets", "cu_seqlens_q", "cu_seqlens_k", "max_seqlen_q", "max_seqlen_k"}
+    # Every binding name but softmax_lse (run_with then allocates a new LSE).
+    assert runs[1]["full_idx"] is other.full_idx and set(runs[0]) == set(binding_names("run_with")) - {"softmax_lse"}
     given = torch.zeros_like(q)
     result, _ = fa3.plan(call, 2, None).run_any_out(q, k, v, given)
     assert len(made) == 2 and launched[-1][0] == "fwd_into" and result is given

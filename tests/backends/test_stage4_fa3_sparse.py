@@ -303,7 +303,7 @@ def test_every_block_listed_matches_dense():
 @pytest.mark.parametrize("causal", [False, True])
 def test_wrapper_matches_the_reference_and_refuses_what_the_host_refuses(causal):
     """fa3_ops.sparse_fwd (keyword call, default scale, SparseBlocks) against the fp32 reference
-    with the FA-2 LSE layout; refusal() is None for it and names block_size, head dim and paged."""
+    with the FA-2 LSE layout; refusal() is None for it and names block_size, head dim and page size."""
     from flash_attn_sparse import SparseBlocks
     from flash_attn_sparse.backends import fa3_ops
 
@@ -325,7 +325,8 @@ def test_wrapper_matches_the_reference_and_refuses_what_the_host_refuses(causal)
     assert "block_size" in fa3_ops.refusal(q, k, SparseBlocks(full_cnt, full_idx, block_size=64, q_block_size=q_block),
                                            varlen=False)
     assert "head dims" in fa3_ops.refusal(q[..., :96], k[..., :96], blocks, varlen=False)
-    assert "paged" in fa3_ops.refusal(q, k, blocks, varlen=False, paged=True)
+    assert "multiple of 128" in fa3_ops.refusal(q, k, blocks, varlen=False, page_size=64)
+    assert fa3_ops.refusal(q, k, blocks, varlen=False, page_size=256) is None
     assert "q_block_size" in fa3_ops.refusal(q, k, SparseBlocks(full_cnt, full_idx, block_size=BLOCK, q_block_size=96),
                                              varlen=False)
 
@@ -354,9 +355,24 @@ def test_backend_fa3_through_the_public_api():
         err = (out[:, :, h:h + 1].float() - ref).abs().max().item()
         assert err <= 2 * (low.float() - ref).abs().max().item() + 1e-5
         assert (lse[:, h:h + 1] - ref_lse).abs().max().item() <= 1e-3
-    with pytest.raises(SparseInputError, match="seqused_k"):
-        fas.flash_attn_with_sparse_block_table(q, k, v, blocks, backend="fa3",
-                                               seqused_k=torch.full((2,), 8192, dtype=torch.int32, device="cuda"))
+    # seqused_k: sequence 1 uses 5000 keys, so its listed blocks 40-63 are skipped and block 39 is cut.
+    seqused = [8192, 5000]
+    out, lse = fas.flash_attn_with_sparse_block_table(q, k, v, blocks, backend="fa3",
+                                                      seqused_k=torch.tensor(seqused, dtype=torch.int32, device="cuda"))
+    for b, used in enumerate(seqused):
+        for h in range(16):
+            listed = [i for i in rows[b][h // 4][0] if i * 128 < used]
+            if not listed:
+                assert torch.equal(out[b, :, h], torch.zeros_like(out[b, :, h])) and torch.isneginf(lse[b, h]).all()
+                continue
+            kv = slice(b, b + 1), slice(0, used), slice(h // 4, h // 4 + 1)
+            ref, ref_lse = attention_over_blocks(q[b:b + 1, :, h:h + 1], k[kv], v[kv], listed, 128, dtype=torch.float32)
+            low, _ = attention_over_blocks(q[b:b + 1, :, h:h + 1], k[kv], v[kv], listed, 128, dtype=torch.bfloat16)
+            assert (out[b:b + 1, :, h:h + 1].float() - ref).abs().max().item() <= 2 * (low.float() - ref).abs().max().item() + 1e-5
+            assert (lse[b:b + 1, h:h + 1] - ref_lse).abs().max().item() <= 1e-3
+    with pytest.raises(SparseInputError, match="multiple of 128"):
+        fas.flash_attn_with_sparse_block_table(q, k.reshape(2 * 128, 64, 4, 128), v.reshape(2 * 128, 64, 4, 128), blocks, backend="fa3",
+                                               page_table=torch.arange(256, dtype=torch.int32, device="cuda").view(2, 128))
 
 
 @pytest.mark.parametrize("num_splits", [0, 1, 3])

@@ -3,8 +3,11 @@
 this build's flash_attn_3 wheel). fa3_ops holds the op wrapper and the kernel's host rules.
 
 Requested with backend="fa3", or chosen by `auto` for prefill-shaped calls and packed decode
-(routing.py). Beyond fa3_ops.refusal it refuses, with the reason: seqused_k, and a second K/V
-source for the mask lists (the speculative one-launch form), which the op does not take.
+(routing.py). Beyond fa3_ops.refusal it refuses, with the reason, a second K/V source for the
+mask lists (the speculative one-launch form), which the op does not take.
+
+Paged calls pass the page table and seqused_k and no cu_seqlens_k (the op's paged layout, as
+upstream's): a varlen paged call's key counts are its seqused_k, which fa3_ops.refusal asks for.
 """
 
 from typing import Optional, Tuple
@@ -19,12 +22,11 @@ from .protocol import Traits
 
 def refusal(call) -> Optional[str]:
     """Why the FA-3 sparse kernel cannot run this call (shapes only, never syncs), or None."""
-    if call.seqused_k is not None:
-        return "the FA-3 sparse op takes no seqused_k"
     if call.mask_source is not None:
         return "the FA-3 sparse op reads one K/V source (no speculative one-launch form)"
     reason = fa3_ops.refusal(call.q, call.k, call.effective_blocks(), varlen=call.varlen,
-                             paged=call.page_table is not None, max_seqlen_q=call.max_seqlen_q)
+                             page_size=call.k.shape[1] if call.page_table is not None else None,
+                             seqused_k=call.seqused_k is not None, max_seqlen_q=call.max_seqlen_q)
     return reason or fa3_ops.missing_build()
 
 
@@ -46,18 +48,25 @@ def _bound_args(call, splits: int) -> dict:
                                max_seqlen_k=call.max_seqlen_k if call.varlen else None)
 
 
-def _list_args(blocks, cu_seqlens_q: Optional[Tensor], cu_seqlens_k: Optional[Tensor]) -> dict:
-    """The lists and offsets, by the op's (and the extension's) argument names."""
+def _list_args(blocks, tensors: dict) -> dict:
+    """The lists, offsets, sequence lengths and page table, by the op's (and the extension's)
+    argument names; tensors: the call's cu_seqlens_q, cu_seqlens_k, seqused_k and page_table."""
+    paged = tensors.get("page_table") is not None
     return dict(full_cnt=blocks.full_cnt, full_idx=blocks.full_idx, mask_cnt=blocks.mask_cnt, mask_idx=blocks.mask_idx,
                 cu_total_m_blocks=blocks.cu_total_m_blocks, cu_block_idx_offsets=blocks.cu_block_idx_offsets,
-                cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k)
+                cu_seqlens_q=tensors.get("cu_seqlens_q"), cu_seqlens_k=None if paged else tensors.get("cu_seqlens_k"),
+                seqused_k=tensors.get("seqused_k"), page_table=tensors.get("page_table"))
+
+
+def _call_tensors(call) -> dict:
+    varlen = call.varlen
+    return dict(cu_seqlens_q=call.cu_seqlens_q if varlen else None, cu_seqlens_k=call.cu_seqlens_k if varlen else None,
+                seqused_k=call.seqused_k, page_table=call.page_table)
 
 
 def _call_args(call, splits: int) -> dict:
     """Every argument of the op but q, k, v and out, for this call."""
-    varlen = call.varlen
-    return dict(_list_args(call.effective_blocks(), call.cu_seqlens_q if varlen else None,
-                           call.cu_seqlens_k if varlen else None), **_bound_args(call, splits))
+    return dict(_list_args(call.effective_blocks(), _call_tensors(call)), **_bound_args(call, splits))
 
 
 def plan(call, splits: int, out: Optional[Tensor], keep_buffers: bool = True) -> "Planned":
@@ -77,8 +86,7 @@ class Planned:
     def __init__(self, call, splits: int, out: Optional[Tensor], keep_buffers: bool):
         self._bound = _bound_args(call, splits)
         # A plan keeps its lists (the caller's, updated in place); a one-shot plan keeps no tensor.
-        self._lists = _list_args(call.effective_blocks(), call.cu_seqlens_q if call.varlen else None,
-                                 call.cu_seqlens_k if call.varlen else None) if keep_buffers else None
+        self._lists = _list_args(call.effective_blocks(), _call_tensors(call)) if keep_buffers else None
         self._direct = fa3_ops.direct() or fa3_ops.op_out()  # both take fwd_out's arguments by name
         forward = planned(call, splits, torch.empty_like(call.q) if out is None else out)
         self._forward = forward if keep_buffers else for_run_with(forward)
@@ -97,15 +105,17 @@ class Planned:
     def run_with(self, q: Tensor, k: Tensor, v: Tensor, out: Optional[Tensor], blocks, tensors: dict) -> Tuple[Tensor, Tensor]:
         if out is None:
             out = torch.empty_like(q)
-        cu_seqlens_q, cu_seqlens_k = tensors.get("cu_seqlens_q"), tensors.get("cu_seqlens_k")
+        page_table = tensors.get("page_table")
         if self._forward is not None:  # the lists by name, written out: no dict built per call
             return out, self._forward.run_with(q=q, k=k, v=v, out=out, full_cnt=blocks.full_cnt, full_idx=blocks.full_idx,
                                                mask_cnt=blocks.mask_cnt, mask_idx=blocks.mask_idx,
                                                cu_total_m_blocks=blocks.cu_total_m_blocks,
                                                cu_block_idx_offsets=blocks.cu_block_idx_offsets,
-                                               cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
-                                               max_seqlen_q=self._max_seqlens[0], max_seqlen_k=self._max_seqlens[1])
-        return out, self._direct(q=q, k=k, v=v, out=out, **_list_args(blocks, cu_seqlens_q, cu_seqlens_k), **self._bound)
+                                               cu_seqlens_q=tensors.get("cu_seqlens_q"),
+                                               cu_seqlens_k=None if page_table is not None else tensors.get("cu_seqlens_k"),
+                                               max_seqlen_q=self._max_seqlens[0], max_seqlen_k=self._max_seqlens[1],
+                                               seqused_k=tensors.get("seqused_k"), page_table=page_table)
+        return out, self._direct(q=q, k=k, v=v, out=out, **_list_args(blocks, tensors), **self._bound)
 
 
 def planned(call, splits: int, out: Tensor, graph_launch: Optional[bool] = None):

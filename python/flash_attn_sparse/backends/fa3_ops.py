@@ -22,6 +22,7 @@ from ..metadata import SparseBlocks
 BLOCK_SIZE = 128  # kSparseBlockSize: one K/V block is one kernel tile_n
 TILE_M = 128  # query rows of the tile packing and splitting are decided on (tile_size_fwd_sm90_sparse)
 HEAD_DIMS = (64, 128)  # the instantiated head dims (generate_kernels_sparse.py)
+PAGE_MULTIPLE = BLOCK_SIZE  # paged K/V: a page holds whole list blocks
 
 
 # Answers fixed per process, in plain dicts: torch.compile traces through a functools.lru_cache
@@ -88,9 +89,10 @@ def packed_group(q: Tensor, k: Tensor, blocks: SparseBlocks, seqlen_q: int) -> i
     return group if packs else 1
 
 
-def refusal(q: Tensor, k: Tensor, blocks: SparseBlocks, *, varlen: bool, paged: bool = False,
-            max_seqlen_q: Optional[int] = None) -> Optional[str]:
-    """None if the FA-3 sparse kernel takes this call, else the first rule it breaks."""
+def refusal(q: Tensor, k: Tensor, blocks: SparseBlocks, *, varlen: bool, page_size: Optional[int] = None,
+            seqused_k: bool = False, max_seqlen_q: Optional[int] = None) -> Optional[str]:
+    """None if the FA-3 sparse kernel takes this call, else the first rule it breaks. page_size:
+    a paged cache's (k.shape[1]), None for contiguous K/V; seqused_k: whether the call has one."""
     if not _on_sm90(q):
         return "the FA-3 sparse kernel runs on sm90 (H100/H200) only"
     if q.dtype not in (torch.float16, torch.bfloat16) or k.dtype != q.dtype:
@@ -98,11 +100,14 @@ def refusal(q: Tensor, k: Tensor, blocks: SparseBlocks, *, varlen: bool, paged: 
     if q.shape[-1] not in HEAD_DIMS or k.shape[-1] != q.shape[-1]:
         return f"the FA-3 sparse kernel has head dims {HEAD_DIMS} (K and V equal to Q), got {q.shape[-1]}"
     compiled_out = [flag for flag, needed in (("FP16", q.dtype == torch.float16), (f"HDIM{q.shape[-1]}", True),
-                                              ("VARLEN", varlen)) if needed and flag in disabled()]
+                                              ("VARLEN", varlen or seqused_k)) if needed and flag in disabled()]
     if compiled_out:
         return f"this flash_attn_3 build has no such kernels (FLASH_ATTENTION_DISABLE_{compiled_out[0]})"
-    if paged:
-        return "the FA-3 sparse kernel has no paged K/V"
+    if page_size is not None and page_size % PAGE_MULTIPLE:
+        return (f"the FA-3 sparse kernel takes pages of a multiple of {PAGE_MULTIPLE} keys (its TMA loads read a "
+                f"{BLOCK_SIZE}-key block from one page), got page_size {page_size}")
+    if page_size is not None and varlen and not seqused_k:
+        return "the FA-3 sparse kernel takes varlen paged calls with seqused_k (the sequences' key counts)"
     if blocks.block_size != BLOCK_SIZE:
         return f"the FA-3 sparse kernel takes block_size {BLOCK_SIZE} only, got {blocks.block_size}"
     if blocks.is_varlen != varlen:

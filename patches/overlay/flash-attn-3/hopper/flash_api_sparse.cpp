@@ -119,7 +119,8 @@ SparseLaunch prepare_sparse(
         c10::optional<at::Tensor> cu_seqlens_q, c10::optional<at::Tensor> cu_seqlens_k,
         c10::optional<int64_t> max_seqlen_q, c10::optional<int64_t> max_seqlen_k,
         double softmax_scale, int64_t block_size, int64_t q_block_size, bool causal,
-        int64_t num_splits, c10::optional<bool> pack_gqa) {
+        int64_t num_splits, c10::optional<bool> pack_gqa,
+        c10::optional<at::Tensor> seqused_k, c10::optional<at::Tensor> page_table) {
     auto const q_type = q.scalar_type();
     TORCH_CHECK(q_type == at::kHalf || q_type == at::kBFloat16, "q must be fp16 or bf16");
     TORCH_CHECK(k.scalar_type() == q_type && v.scalar_type() == q_type, "q, k and v must have one dtype");
@@ -127,25 +128,55 @@ SparseLaunch prepare_sparse(
     TORCH_CHECK(q.stride(-1) == 1 && k.stride(-1) == 1 && v.stride(-1) == 1, "q, k and v must have a contiguous last dimension");
     TORCH_CHECK(block_size == kSparseBlockSize, "block_size must be ", kSparseBlockSize, " on the FA-3 sparse path");
     bool const varlen = cu_seqlens_q.has_value();
-    TORCH_CHECK(varlen == cu_seqlens_k.has_value(), "cu_seqlens_q and cu_seqlens_k go together");
+    bool const paged = page_table.has_value();
+    // Paged K/V: a sequence's key p is row p % page_size of page page_table[b, p / page_size], and
+    // its length is seqused_k[b] (or the table's max_pages * page_size), as in upstream's paged
+    // forward; so varlen's cu_seqlens_k, which places keys in one packed tensor, is left out.
+    TORCH_CHECK(cu_seqlens_k.has_value() == (varlen && !paged),
+                paged ? "with a page_table, pass seqused_k for the sequences' key counts, not cu_seqlens_k"
+                      : "cu_seqlens_q and cu_seqlens_k go together");
+    TORCH_CHECK(!(varlen && paged) || seqused_k.has_value(), "varlen with a page_table needs seqused_k");
     TORCH_CHECK(varlen == cu_total_m_blocks.has_value() && varlen == cu_block_idx_offsets.has_value(),
                 "varlen inputs need the varlen list layout (cu_total_m_blocks, cu_block_idx_offsets) and batched ones the batched layout");
     TORCH_CHECK(mask_cnt.has_value() == mask_idx.has_value(), "mask_cnt and mask_idx go together");
     c10::cuda::CUDAGuard device_guard{q.device()};
 
     int const batch_size = varlen ? cu_seqlens_q->size(0) - 1 : q.size(0);
-    int const seqlen_q = varlen ? int(max_seqlen_q.value_or(0)) : q.size(1);
-    int const seqlen_k = varlen ? int(max_seqlen_k.value_or(0)) : k.size(1);
     TORCH_CHECK(!varlen || (max_seqlen_q.has_value() && max_seqlen_k.has_value()), "varlen needs max_seqlen_q and max_seqlen_k");
+    TORCH_CHECK(q.dim() == (varlen ? 3 : 4) && k.dim() == (varlen && !paged ? 3 : 4) && v.dim() == k.dim(),
+                "q, k, v: (b, s, h, d), or (total, h, d) with cu_seqlens; paged k, v: (num_pages, page_size, h_k, d)");
+    int const page_size = paged ? k.size(1) : 0, num_pages = paged ? k.size(0) : 0;
+    int const max_pages = paged ? page_table->size(-1) : 0;
+    if (paged) {
+        TORCH_CHECK(page_table->scalar_type() == at::kInt && page_table->device() == q.device() && page_table->dim() == 2
+                    && page_table->size(0) == batch_size && (page_table->numel() == 0 || page_table->stride(-1) == 1),
+                    "page_table must be an int32 (batch_size, max_pages) tensor on the device of q with a contiguous last dimension");
+        // TMA loads one 128-key block from one page; smaller pages would need a block from several.
+        TORCH_CHECK(page_size > 0 && page_size % kSparseBlockSize == 0, "the FA-3 sparse path takes pages of a multiple of ",
+                    kSparseBlockSize, " keys, got page_size ", page_size);
+        TORCH_CHECK(v.size(0) == num_pages && v.size(1) == page_size, "v must have the pages of k");
+    }
+    if (seqused_k.has_value()) {
+        TORCH_CHECK(seqused_k->scalar_type() == at::kInt && seqused_k->device() == q.device() && seqused_k->dim() == 1
+                    && seqused_k->size(0) == batch_size && seqused_k->is_contiguous(),
+                    "seqused_k must be a contiguous int32 (batch_size,) tensor on the device of q");
+    }
+    int const seqlen_q = varlen ? int(max_seqlen_q.value_or(0)) : q.size(1);
+    // The keys a sequence may hold: the kernels' seqlen_k, and the list walk's bound (the longest under varlen).
+    int const seqlen_k = paged ? max_pages * page_size : varlen ? int(max_seqlen_k.value_or(0)) : k.size(1);
+    int const max_seqlen_k_listed = varlen ? int(max_seqlen_k.value_or(0)) : seqlen_k;
+    TORCH_CHECK(!(varlen && paged) || max_seqlen_k_listed <= seqlen_k, "max_seqlen_k must be at most max_pages * page_size");
     int const total_q = varlen ? q.size(0) : batch_size * seqlen_q;
-    int const total_k = varlen ? k.size(0) : batch_size * seqlen_k;
+    int64_t const total_k = paged ? int64_t(num_pages) * page_size : varlen ? k.size(0) : int64_t(batch_size) * seqlen_k;
     int const num_heads = q.size(-2), num_heads_k = k.size(-2), head_size = q.size(-1);
     TORCH_CHECK(head_size == 64 || head_size == 128, "head dim must be 64 or 128, got ", head_size);
     TORCH_CHECK(k.size(-1) == head_size && v.size(-1) == head_size, "k and v must have the head dim of q");
     TORCH_CHECK(num_heads_k > 0 && num_heads % num_heads_k == 0, "num_heads must be a multiple of num_heads_k");
-    TORCH_CHECK(q.dim() == (varlen ? 3 : 4) && k.dim() == q.dim() && v.dim() == q.dim(), "q, k, v: (b, s, h, d), or (total, h, d) with cu_seqlens");
+    // The varlen kernels run varlen calls and those with seqused_k (upstream's rule).
+    bool const varlen_kernel = varlen || seqused_k.has_value();
     if (varlen) {
-        for (auto *t : {&*cu_seqlens_q, &*cu_seqlens_k, &*cu_total_m_blocks, &*cu_block_idx_offsets}) {
+        for (auto const &t : {cu_seqlens_q, cu_seqlens_k, cu_total_m_blocks, cu_block_idx_offsets}) {
+            if (!t.has_value()) { continue; }  // cu_seqlens_k of a paged call
             TORCH_CHECK(t->scalar_type() == at::kInt && t->device() == q.device() && t->is_contiguous() && t->dim() == 1 && t->size(0) == batch_size + 1,
                         "cu_seqlens and cu_* list offsets must be contiguous int32 (batch_size + 1,) tensors on the device of q");
         }
@@ -165,7 +196,7 @@ SparseLaunch prepare_sparse(
     TORCH_CHECK((varlen ? full_idx.size(0) : full_idx.size(1)) == table_heads, "full_idx must have the head extent of full_cnt");
 
     // Packing, splits and tile rows (sparse_kernel_choice.h), and what the build lacks, refused here.
-    int const n_blocks_k = (seqlen_k + kSparseBlockSize - 1) / kSparseBlockSize;
+    int const n_blocks_k = (max_seqlen_k_listed + kSparseBlockSize - 1) / kSparseBlockSize;
     SparseCallShape shape;
     shape.batch_size = batch_size;
     shape.num_heads = num_heads;
@@ -175,7 +206,7 @@ SparseLaunch prepare_sparse(
     shape.q_block_size = int(std::min<int64_t>(q_block_size, std::numeric_limits<int>::max()));
     shape.head_dim = head_size;
     shape.fp16 = q_type == at::kHalf;
-    shape.varlen = varlen;
+    shape.varlen = varlen_kernel;
     shape.max_list_blocks = varlen ? n_blocks_k
         : std::min<int>(n_blocks_k, full_idx.size(3) * (mask_idx.has_value() ? 2 : 1));
     C10_CUDA_CHECK(cudaDeviceGetAttribute(&shape.num_sm, cudaDevAttrMultiProcessorCount, q.get_device()));
@@ -197,7 +228,7 @@ SparseLaunch prepare_sparse(
     launch.softmax_lse = varlen ? at::empty({num_heads, total_q}, opts.dtype(at::kFloat))
                                 : at::empty({batch_size, num_heads, seqlen_q}, opts.dtype(at::kFloat));
     launch.no_queries = total_q == 0;
-    launch.no_keys = total_k == 0;  // the empty-list result everywhere
+    launch.no_keys = total_k == 0 || seqlen_k == 0;  // the empty-list result everywhere
     if (launch.no_queries || launch.no_keys) { return launch; }
     at::Tensor &softmax_lse = launch.softmax_lse;
 
@@ -206,8 +237,8 @@ SparseLaunch prepare_sparse(
     auto round_up = [](int x, int m) { return (x + m - 1) / m * m; };
     set_params_fprop(params, batch_size, seqlen_q, seqlen_k, round_up(seqlen_q, 128), round_up(seqlen_k, 128),
                      num_heads, num_heads_k, head_size, head_size, q, k, v, out,
-                     varlen ? cu_seqlens_q->data_ptr() : nullptr, varlen ? cu_seqlens_k->data_ptr() : nullptr,
-                     nullptr, nullptr, softmax_lse.data_ptr(), 0.f, float(softmax_scale),
+                     varlen ? cu_seqlens_q->data_ptr() : nullptr, cu_seqlens_k.has_value() ? cu_seqlens_k->data_ptr() : nullptr,
+                     nullptr /*seqused_q*/, seqused_k.has_value() ? seqused_k->data_ptr() : nullptr, softmax_lse.data_ptr(), 0.f, float(softmax_scale),
                      -1 /*window_size_left*/, causal ? 0 : -1 /*window_size_right*/, 0 /*attention_chunk*/, 0.f, 0);
     params.total_q = total_q;
     params.total_k = total_k;
@@ -215,6 +246,14 @@ SparseLaunch prepare_sparse(
     params.dv = head_size;
     params.dv_rounded = head_size;
     params.page_size = 1;
+    if (paged) {  // TMA paging (page_size a multiple of kBlockN), as upstream's get_pagedkv_tma
+        params.page_table = page_table->data_ptr<int>();
+        params.page_table_batch_stride = page_table->stride(0);
+        params.page_size = page_size;
+        params.num_pages = num_pages;
+        params.pagedkv_tma = true;
+        params.sparse.max_keys = seqlen_k;
+    }
     params.pack_gqa = pack;
 
     auto &sp = params.sparse;
@@ -265,7 +304,7 @@ SparseLaunch prepare_sparse(
     // The sparse path's persistent scheduler takes tiles from a counter zeroed before each launch
     // (launch_sparse); split calls of fixed length run one tile per CTA (UsePersistentScheduler in
     // the launch template) and need none. No dynamic splits.
-    bool const scheduler_needs_semaphore = !(params.num_splits > 1 && !varlen);
+    bool const scheduler_needs_semaphore = !(params.num_splits > 1 && !varlen_kernel);
     if (scheduler_needs_semaphore) { launch.tile_count_semaphore = at::empty({1}, opts.dtype(at::kInt)); }
     params.tile_count_semaphore = scheduler_needs_semaphore ? launch.tile_count_semaphore.data_ptr<int>() : nullptr;
     params.num_splits_dynamic_ptr = nullptr;
@@ -343,11 +382,12 @@ at::Tensor mha_fwd_sparse_into(
         c10::optional<at::Tensor> cu_seqlens_q, c10::optional<at::Tensor> cu_seqlens_k,
         c10::optional<int64_t> max_seqlen_q, c10::optional<int64_t> max_seqlen_k,
         double softmax_scale, int64_t block_size, int64_t q_block_size, bool causal,
-        int64_t num_splits, c10::optional<bool> pack_gqa) {
+        int64_t num_splits, c10::optional<bool> pack_gqa,
+        c10::optional<at::Tensor> seqused_k, c10::optional<at::Tensor> page_table) {
     c10::cuda::CUDAGuard device_guard{q.device()};
     SparseLaunch launch = prepare_sparse(q, k, v, out, full_cnt, full_idx, mask_cnt, mask_idx, cu_total_m_blocks,
                                          cu_block_idx_offsets, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                                         softmax_scale, block_size, q_block_size, causal, num_splits, pack_gqa);
+                                         softmax_scale, block_size, q_block_size, causal, num_splits, pack_gqa, seqused_k, page_table);
     launch_sparse(launch, out);
     return launch.softmax_lse;
 }
@@ -370,7 +410,8 @@ public:
                   c10::optional<at::Tensor> cu_seqlens_q, c10::optional<at::Tensor> cu_seqlens_k,
                   c10::optional<int64_t> max_seqlen_q, c10::optional<int64_t> max_seqlen_k, double softmax_scale,
                   int64_t block_size, int64_t q_block_size, bool causal, int64_t num_splits,
-                  c10::optional<bool> pack_gqa, bool graph_launch)
+                  c10::optional<bool> pack_gqa, c10::optional<at::Tensor> seqused_k,
+                  c10::optional<at::Tensor> page_table, bool graph_launch)
         : device_(q.device()), dtype_(q.scalar_type()), q_sizes_(q.sizes().vec()), q_strides_(q.strides().vec()),
           k_sizes_(k.sizes().vec()), k_strides_(k.strides().vec()), v_strides_(v.strides().vec()),
           out_strides_(out.strides().vec()), planned_max_seqlen_q_(max_seqlen_q.value_or(0)),
@@ -378,14 +419,14 @@ public:
         c10::cuda::CUDAGuard device_guard{q.device()};
         launch_ = prepare_sparse(q, k, v, out, full_cnt, full_idx, mask_cnt, mask_idx, cu_total_m_blocks,
                                  cu_block_idx_offsets, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                                 softmax_scale, block_size, q_block_size, causal, num_splits, pack_gqa);
+                                 softmax_scale, block_size, q_block_size, causal, num_splits, pack_gqa, seqused_k, page_table);
         lse_sizes_ = launch_.softmax_lse.sizes().vec();
         if (launch_.out_accum.defined()) {
             out_accum_numel_ = launch_.out_accum.numel();
             lse_accum_numel_ = launch_.lse_accum.numel();
         }
         ListTensors const lists{full_cnt, full_idx, mask_cnt, mask_idx, cu_total_m_blocks, cu_block_idx_offsets,
-                                cu_seqlens_q, cu_seqlens_k};
+                                cu_seqlens_q, cu_seqlens_k, seqused_k, page_table};
         for (size_t i = 0; i < lists.size(); ++i) { list_layouts_[i] = layout_of(lists[i]); }
         keep_alive(lists);  // the parameters point into them
     }
@@ -404,7 +445,8 @@ public:
                         c10::optional<at::Tensor> mask_idx, c10::optional<at::Tensor> cu_total_m_blocks,
                         c10::optional<at::Tensor> cu_block_idx_offsets, c10::optional<at::Tensor> cu_seqlens_q,
                         c10::optional<at::Tensor> cu_seqlens_k, c10::optional<int64_t> max_seqlen_q,
-                        c10::optional<int64_t> max_seqlen_k, c10::optional<at::Tensor> softmax_lse) {
+                        c10::optional<int64_t> max_seqlen_k, c10::optional<at::Tensor> softmax_lse,
+                        c10::optional<at::Tensor> seqused_k, c10::optional<at::Tensor> page_table) {
         check_planned(q, k, v, out, "SparseForward.run_with");
         if (cu_seqlens_q.has_value()) {
             // The tile choice, split count and combine grid were sized for the planned longest
@@ -416,7 +458,7 @@ public:
                         "planned ", planned_max_seqlen_q_, " and ", planned_max_seqlen_k_, "; plan again for longer sequences");
         }
         ListTensors const lists{full_cnt, full_idx, mask_cnt, mask_idx, cu_total_m_blocks, cu_block_idx_offsets,
-                                cu_seqlens_q, cu_seqlens_k};
+                                cu_seqlens_q, cu_seqlens_k, seqused_k, page_table};
         for (size_t i = 0; i < lists.size(); ++i) {
             TORCH_CHECK(has_layout(lists[i], list_layouts_[i]), "SparseForward.run_with: ", kListNames[i],
                         " must be given or left out as planned, an int32 tensor of the planned shape and strides on the planned device");
@@ -443,8 +485,10 @@ public:
             sp.cu_total_m_blocks = cu_total_m_blocks->data_ptr<int>();
             sp.cu_block_idx_offsets = cu_block_idx_offsets->data_ptr<int>();
             params.cu_seqlens_q = cu_seqlens_q->data_ptr<int>();
-            params.cu_seqlens_k = cu_seqlens_k->data_ptr<int>();
+            params.cu_seqlens_k = cu_seqlens_k.has_value() ? cu_seqlens_k->data_ptr<int>() : nullptr;
         }
+        params.seqused_k = seqused_k.has_value() ? seqused_k->data_ptr<int>() : nullptr;
+        if (page_table.has_value()) { params.page_table = page_table->data_ptr<int>(); }
         if (params.num_splits > 1) {
             // Both split partials in one allocation, laid out as planned (contiguous): out_accum's
             // floats, then lse_accum's (out_accum's count is a multiple of the head dim: aligned).
@@ -474,7 +518,7 @@ public:
     }
 
 private:
-    using ListTensors = std::array<c10::optional<at::Tensor>, 8>;
+    using ListTensors = std::array<c10::optional<at::Tensor>, 10>;
 
     // launch_sparse, or with graph_launch through the plan's KernelGraph: the first eager run
     // launches directly (setting the kernels' attributes outside any capture) and then captures;
@@ -494,9 +538,9 @@ private:
             graph_->launch(launch.params, stream);
         }
     }
-    static constexpr std::array<char const *, 8> kListNames{"full_cnt", "full_idx", "mask_cnt", "mask_idx",
-                                                           "cu_total_m_blocks", "cu_block_idx_offsets",
-                                                           "cu_seqlens_q", "cu_seqlens_k"};
+    static constexpr std::array<char const *, 10> kListNames{"full_cnt", "full_idx", "mask_cnt", "mask_idx",
+                                                            "cu_total_m_blocks", "cu_block_idx_offsets",
+                                                            "cu_seqlens_q", "cu_seqlens_k", "seqused_k", "page_table"};
     struct Layout {
         bool given = false;
         std::vector<int64_t> sizes, strides;
@@ -550,7 +594,7 @@ private:
     bool released_ = false;
     bool graph_launch_;
     std::unique_ptr<KernelGraph> graph_;  // made by the first eager run with graph_launch
-    std::array<Layout, 8> list_layouts_;
+    std::array<Layout, 10> list_layouts_;
     std::vector<at::Tensor> lists_;
 };
 
@@ -562,11 +606,12 @@ std::tuple<at::Tensor, at::Tensor> mha_fwd_sparse(
         c10::optional<at::Tensor> cu_seqlens_q, c10::optional<at::Tensor> cu_seqlens_k,
         c10::optional<int64_t> max_seqlen_q, c10::optional<int64_t> max_seqlen_k,
         double softmax_scale, int64_t block_size, int64_t q_block_size, bool causal,
-        int64_t num_splits, c10::optional<bool> pack_gqa) {
+        int64_t num_splits, c10::optional<bool> pack_gqa,
+        c10::optional<at::Tensor> seqused_k, c10::optional<at::Tensor> page_table) {
     at::Tensor out = at::empty_like(q);
     at::Tensor lse = mha_fwd_sparse_into(q, k, v, out, full_cnt, full_idx, mask_cnt, mask_idx, cu_total_m_blocks,
                                          cu_block_idx_offsets, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                                         softmax_scale, block_size, q_block_size, causal, num_splits, pack_gqa);
+                                         softmax_scale, block_size, q_block_size, causal, num_splits, pack_gqa, seqused_k, page_table);
     return {out, lse};
 }
 
@@ -580,7 +625,8 @@ std::tuple<at::Tensor, at::Tensor> mha_fwd_sparse_meta(
         c10::optional<at::Tensor> cu_seqlens_q, c10::optional<at::Tensor> cu_seqlens_k,
         c10::optional<int64_t> max_seqlen_q, c10::optional<int64_t> max_seqlen_k,
         double softmax_scale, int64_t block_size, int64_t q_block_size, bool causal,
-        int64_t num_splits, c10::optional<bool> pack_gqa) {
+        int64_t num_splits, c10::optional<bool> pack_gqa,
+        c10::optional<at::Tensor> seqused_k, c10::optional<at::Tensor> page_table) {
     auto lse_opts = q.options().dtype(at::kFloat);
     at::Tensor out = at::empty_like(q);
     at::Tensor lse = q.dim() == 3 ? at::empty({q.size(1), q.size(0)}, lse_opts)  // varlen (total_q, h, d)
@@ -595,10 +641,11 @@ at::Tensor mha_fwd_sparse_into_meta(
         c10::optional<at::Tensor> cu_seqlens_q, c10::optional<at::Tensor> cu_seqlens_k,
         c10::optional<int64_t> max_seqlen_q, c10::optional<int64_t> max_seqlen_k,
         double softmax_scale, int64_t block_size, int64_t q_block_size, bool causal,
-        int64_t num_splits, c10::optional<bool> pack_gqa) {
+        int64_t num_splits, c10::optional<bool> pack_gqa,
+        c10::optional<at::Tensor> seqused_k, c10::optional<at::Tensor> page_table) {
     return std::get<1>(mha_fwd_sparse_meta(q, k, v, full_cnt, full_idx, mask_cnt, mask_idx, cu_total_m_blocks,
                                            cu_block_idx_offsets, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                                           softmax_scale, block_size, q_block_size, causal, num_splits, pack_gqa));
+                                           softmax_scale, block_size, q_block_size, causal, num_splits, pack_gqa, seqused_k, page_table));
 }
 
 }  // namespace
@@ -607,12 +654,14 @@ TORCH_LIBRARY(flash_attn_3_sparse, m) {
     m.def("fwd(Tensor q, Tensor k, Tensor v, Tensor full_cnt, Tensor full_idx, Tensor? mask_cnt, Tensor? mask_idx, "
           "Tensor? cu_total_m_blocks, Tensor? cu_block_idx_offsets, Tensor? cu_seqlens_q, Tensor? cu_seqlens_k, "
           "int? max_seqlen_q, int? max_seqlen_k, *, float softmax_scale, int block_size=128, int q_block_size=128, "
-          "bool causal=False, int num_splits=1, bool? pack_gqa=None) -> (Tensor out, Tensor softmax_lse)");
+          "bool causal=False, int num_splits=1, bool? pack_gqa=None, Tensor? seqused_k=None, Tensor? page_table=None) "
+          "-> (Tensor out, Tensor softmax_lse)");
     // The same forward writing into a given out (no allocation, no copy): a plan's run.
     m.def("fwd_out(Tensor q, Tensor k, Tensor v, Tensor(a!) out, Tensor full_cnt, Tensor full_idx, Tensor? mask_cnt, "
           "Tensor? mask_idx, Tensor? cu_total_m_blocks, Tensor? cu_block_idx_offsets, Tensor? cu_seqlens_q, "
           "Tensor? cu_seqlens_k, int? max_seqlen_q, int? max_seqlen_k, *, float softmax_scale, int block_size=128, "
-          "int q_block_size=128, bool causal=False, int num_splits=1, bool? pack_gqa=None) -> Tensor softmax_lse");
+          "int q_block_size=128, bool causal=False, int num_splits=1, bool? pack_gqa=None, Tensor? seqused_k=None, "
+          "Tensor? page_table=None) -> Tensor softmax_lse");
 }
 
 TORCH_LIBRARY_IMPL(flash_attn_3_sparse, CUDA, m) {
@@ -640,12 +689,13 @@ int flash_sparse_add_python_api(PyObject *module) {
                           c10::optional<at::Tensor>, c10::optional<at::Tensor>, c10::optional<at::Tensor>,
                           c10::optional<at::Tensor>, c10::optional<at::Tensor>, c10::optional<at::Tensor>,
                           c10::optional<int64_t>, c10::optional<int64_t>, double, int64_t, int64_t, bool, int64_t,
-                          c10::optional<bool>, bool>(),
+                          c10::optional<bool>, c10::optional<at::Tensor>, c10::optional<at::Tensor>, bool>(),
                  py::arg("q"), py::arg("k"), py::arg("v"), py::arg("out"), py::arg("full_cnt"), py::arg("full_idx"),
                  py::arg("mask_cnt"), py::arg("mask_idx"), py::arg("cu_total_m_blocks"), py::arg("cu_block_idx_offsets"),
                  py::arg("cu_seqlens_q"), py::arg("cu_seqlens_k"), py::arg("max_seqlen_q"), py::arg("max_seqlen_k"),
                  py::kw_only(), py::arg("softmax_scale"), py::arg("block_size"), py::arg("q_block_size"),
-                 py::arg("causal"), py::arg("num_splits"), py::arg("pack_gqa"), py::arg("graph_launch") = false)
+                 py::arg("causal"), py::arg("num_splits"), py::arg("pack_gqa"), py::arg("seqused_k") = py::none(),
+                 py::arg("page_table") = py::none(), py::arg("graph_launch") = false)
             .def("run", &SparseForward::run, "Launch over q, k, v into out; returns the plan's LSE",
                  py::arg("q"), py::arg("k"), py::arg("v"), py::arg("out"))
             .def("run_with", &SparseForward::run_with,
@@ -654,7 +704,8 @@ int flash_sparse_add_python_api(PyObject *module) {
                  py::arg("q"), py::arg("k"), py::arg("v"), py::arg("out"), py::arg("full_cnt"), py::arg("full_idx"),
                  py::arg("mask_cnt"), py::arg("mask_idx"), py::arg("cu_total_m_blocks"), py::arg("cu_block_idx_offsets"),
                  py::arg("cu_seqlens_q"), py::arg("cu_seqlens_k"), py::arg("max_seqlen_q") = py::none(),
-                 py::arg("max_seqlen_k") = py::none(), py::arg("softmax_lse") = py::none())
+                 py::arg("max_seqlen_k") = py::none(), py::arg("softmax_lse") = py::none(),
+                 py::arg("seqused_k") = py::none(), py::arg("page_table") = py::none())
             .def("release_run_buffers", &SparseForward::release_run_buffers,
                  "Free run's LSE, split partials and tile counter (run_with allocates its own); run is refused after");
         m.def("fwd_into", &mha_fwd_sparse_into, "fwd_out without the dispatcher: the forward into out; returns the LSE",
@@ -662,7 +713,8 @@ int flash_sparse_add_python_api(PyObject *module) {
               py::arg("mask_cnt"), py::arg("mask_idx"), py::arg("cu_total_m_blocks"), py::arg("cu_block_idx_offsets"),
               py::arg("cu_seqlens_q"), py::arg("cu_seqlens_k"), py::arg("max_seqlen_q"), py::arg("max_seqlen_k"),
               py::kw_only(), py::arg("softmax_scale"), py::arg("block_size"), py::arg("q_block_size"),
-              py::arg("causal"), py::arg("num_splits"), py::arg("pack_gqa"));
+              py::arg("causal"), py::arg("num_splits"), py::arg("pack_gqa"), py::arg("seqused_k") = py::none(),
+              py::arg("page_table") = py::none());
         m.def("sparse_disabled", &sparse_build_disabled,
               "The FLASH_ATTENTION_DISABLE_* flags (suffixes) of this build that the sparse path reads");
     } catch (py::error_already_set &error) {

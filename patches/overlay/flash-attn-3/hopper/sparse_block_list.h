@@ -28,17 +28,20 @@ struct SparseBlockList {
     int n_blocks_k = 0;
     bool last_block_partial = false;  // the sequence's last key block holds fewer than kSparseBlockSize keys
 
+    // Varlen: the kernel's flag. Its lists are in the varlen layout when cu_total_m_blocks is
+    // given; a fixed-length call with seqused_k also runs the varlen kernel, over batched lists.
     template <bool Varlen>
     CUTLASS_DEVICE static SparseBlockList
-    make(SparseBlockParams const &p, int const bidb, int const bidh, int const m_block, int const seqlen_k) {
+    make(SparseBlockParams const &p, int const bidb, int const bidh, int const m_block, int const seqlen_k_used) {
         SparseBlockList list;
+        int const seqlen_k = min(seqlen_k_used, p.max_keys);
         list.n_blocks_k = (seqlen_k + kSparseBlockSize - 1) / kSparseBlockSize;
         list.last_block_partial = seqlen_k % kSparseBlockSize != 0;
         int const head = bidh / p.head_ratio;
         int const row = m_block / p.tiles_per_row;
         int64_t cnt_offset, idx_offset;
         int capacity;
-        if constexpr (Varlen) {
+        if (Varlen && p.cu_total_m_blocks != nullptr) {
             int const m_begin = p.cu_total_m_blocks[bidb];
             int const m_rows = p.cu_total_m_blocks[bidb + 1] - m_begin;
             if (row >= m_rows) { return list; }  // a tile past the lists: nothing listed

@@ -31,6 +31,9 @@ struct SparseBlockParams {
     // kBlockM of the kernel the host chose (kSparseBlockM or kSparseBlockMDecode); the launch
     // dispatches on it.
     int block_m = 0;
+    // Keys a sequence can hold: a paged cache's max_pages * page_size (a longer seqused_k is cut
+    // to it, so that page-table reads stay in the table), else unbounded.
+    int max_keys = 1 << 30;
 };
 
 // Keys per list block; the kernels' kBlockN equals it.
