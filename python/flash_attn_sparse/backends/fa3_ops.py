@@ -112,11 +112,10 @@ def refusal(q: Tensor, k: Tensor, blocks: SparseBlocks, *, varlen: bool, page_si
         return f"the FA-3 sparse kernel takes block_size {BLOCK_SIZE} only, got {blocks.block_size}"
     if blocks.is_varlen != varlen:
         return "varlen inputs need varlen lists (cu_total_m_blocks, cu_block_idx_offsets) and batched ones batched lists"
-    if blocks.mask_cnt is not None and any(a.shape != b.shape or a.stride() != b.stride() for a, b in
-                                           ((blocks.mask_cnt, blocks.full_cnt), (blocks.mask_idx, blocks.full_idx))):
-        # One set of list strides and one capacity in its parameters (e.g. the zero-copy
-        # speculative form's two tables of different lengths differ).
-        return "the FA-3 sparse kernel takes mask lists of the full lists' shape and strides"
+    if varlen and blocks.mask_cnt is not None and any(a.shape != b.shape or a.stride() != b.stride() for a, b in
+                                                      ((blocks.mask_cnt, blocks.full_cnt), (blocks.mask_idx, blocks.full_idx))):
+        # One set of offsets for both lists in the varlen layout (batched mask lists have their own).
+        return "the FA-3 sparse kernel takes varlen mask lists of the full lists' shape and strides"
     num_heads, num_heads_k = q.shape[-2], k.shape[-2]
     if num_heads_k == 0 or num_heads % num_heads_k:
         return f"num_heads {num_heads} must be a multiple of num_heads_k {num_heads_k}"

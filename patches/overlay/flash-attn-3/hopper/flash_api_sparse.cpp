@@ -45,12 +45,28 @@ void run_mha_fwd_sparse_(Flash_fwd_params &params, cudaStream_t stream);
 
 namespace {
 
-void check_table(const c10::optional<at::Tensor> &t, const char *name, const at::Tensor &q, int64_t dim) {
+// A list table: int32 on q's device, `dim` dimensions; its last one contiguous where the kernel
+// walks it (every idx table, and the varlen layout's cnt[hs, total_m_blocks]).
+void check_table(const c10::optional<at::Tensor> &t, const char *name, const at::Tensor &q, int64_t dim,
+                 bool contiguous_rows) {
     if (!t.has_value()) { return; }
     TORCH_CHECK(t->scalar_type() == at::kInt, name, " must be int32");
     TORCH_CHECK(t->device() == q.device(), name, " must be on the device of q");
     TORCH_CHECK(t->dim() == dim, name, " must have ", dim, " dimensions");
-    TORCH_CHECK(t->numel() == 0 || t->stride(-1) == 1, name, " must have a contiguous last dimension");
+    TORCH_CHECK(!contiguous_rows || t->numel() == 0 || t->stride(-1) == 1, name, " must have a contiguous last dimension");
+}
+
+// A batched table's layout for the kernel (sparse_params.h); cnt (b, hs, m), idx (b, hs, m, capacity).
+SparseListLayout batched_layout(at::Tensor const &cnt, at::Tensor const &idx) {
+    SparseListLayout l;
+    l.cnt_batch_stride = cnt.stride(0);
+    l.cnt_head_stride = cnt.stride(1);
+    l.cnt_row_stride = cnt.stride(2);
+    l.idx_batch_stride = idx.stride(0);
+    l.idx_head_stride = idx.stride(1);
+    l.idx_row_stride = idx.stride(2);
+    l.idx_capacity = idx.size(3);
+    return l;
 }
 
 // The instantiations of the build (setup.py leaves out those its DISABLE flags remove).
@@ -182,13 +198,16 @@ SparseLaunch prepare_sparse(
         }
     }
     int64_t const cnt_dim = varlen ? 2 : 3, idx_dim = varlen ? 2 : 4;
-    check_table(full_cnt, "full_cnt", q, cnt_dim);
-    check_table(full_idx, "full_idx", q, idx_dim);
-    check_table(mask_cnt, "mask_cnt", q, cnt_dim);
-    check_table(mask_idx, "mask_idx", q, idx_dim);
-    if (mask_cnt.has_value()) {
+    check_table(full_cnt, "full_cnt", q, cnt_dim, varlen);
+    check_table(full_idx, "full_idx", q, idx_dim, true);
+    check_table(mask_cnt, "mask_cnt", q, cnt_dim, varlen);
+    check_table(mask_idx, "mask_idx", q, idx_dim, true);
+    if (mask_cnt.has_value() && varlen) {  // one set of offsets and strides for both lists
         TORCH_CHECK(mask_cnt->sizes() == full_cnt.sizes() && mask_cnt->strides() == full_cnt.strides(), "mask_cnt must have the shape and strides of full_cnt");
         TORCH_CHECK(mask_idx->sizes() == full_idx.sizes() && mask_idx->strides() == full_idx.strides(), "mask_idx must have the shape and strides of full_idx");
+    } else if (mask_cnt.has_value()) {  // batched mask lists may have their own width and strides
+        TORCH_CHECK(mask_cnt->sizes() == full_cnt.sizes(), "mask_cnt must have the shape of full_cnt");
+        TORCH_CHECK(mask_idx->sizes().slice(0, 3) == full_idx.sizes().slice(0, 3), "mask_idx must have the leading dims of full_idx");
     }
     int const table_heads = varlen ? full_cnt.size(0) : full_cnt.size(1);
     TORCH_CHECK(table_heads == 1 || table_heads == num_heads_k || table_heads == num_heads,
@@ -208,7 +227,7 @@ SparseLaunch prepare_sparse(
     shape.fp16 = q_type == at::kHalf;
     shape.varlen = varlen_kernel;
     shape.max_list_blocks = varlen ? n_blocks_k
-        : std::min<int>(n_blocks_k, full_idx.size(3) * (mask_idx.has_value() ? 2 : 1));
+        : int(std::min<int64_t>(n_blocks_k, full_idx.size(3) + (mask_idx.has_value() ? mask_idx->size(3) : 0)));
     C10_CUDA_CHECK(cudaDeviceGetAttribute(&shape.num_sm, cudaDevAttrMultiProcessorCount, q.get_device()));
     shape.num_splits = int(std::clamp<int64_t>(num_splits, -1, kSparseMaxSplits));
     shape.pack_gqa = pack_gqa.has_value() ? int(*pack_gqa) : -1;
@@ -264,16 +283,12 @@ SparseLaunch prepare_sparse(
     if (varlen) {
         sp.cu_total_m_blocks = cu_total_m_blocks->data_ptr<int>();
         sp.cu_block_idx_offsets = cu_block_idx_offsets->data_ptr<int>();
-        sp.cnt_head_stride = full_cnt.stride(0);
-        sp.idx_head_stride = full_idx.stride(0);
+        sp.full.cnt_head_stride = full_cnt.stride(0);
+        sp.full.idx_head_stride = full_idx.stride(0);
+        sp.mask = sp.full;
     } else {
-        sp.cnt_batch_stride = full_cnt.stride(0);
-        sp.cnt_head_stride = full_cnt.stride(1);
-        TORCH_CHECK(full_cnt.stride(2) == 1, "full_cnt must have a contiguous last dimension");
-        sp.idx_batch_stride = full_idx.stride(0);
-        sp.idx_head_stride = full_idx.stride(1);
-        sp.idx_row_stride = full_idx.stride(2);
-        sp.idx_capacity = full_idx.size(3);
+        sp.full = batched_layout(full_cnt, full_idx);
+        sp.mask = mask_cnt.has_value() ? batched_layout(*mask_cnt, *mask_idx) : sp.full;
     }
     // bidh in the kernel is the query head, or the K/V head under PackGQA.
     sp.head_ratio = (pack ? num_heads_k : num_heads) / table_heads;

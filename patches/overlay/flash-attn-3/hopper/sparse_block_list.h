@@ -39,27 +39,41 @@ struct SparseBlockList {
         list.last_block_partial = seqlen_k % kSparseBlockSize != 0;
         int const head = bidh / p.head_ratio;
         int const row = m_block / p.tiles_per_row;
-        int64_t cnt_offset, idx_offset;
-        int capacity;
+        auto clamped = [](int const *cnt, int const capacity) { return max(0, min(*cnt, capacity)); };
         if (Varlen && p.cu_total_m_blocks != nullptr) {
             int const m_begin = p.cu_total_m_blocks[bidb];
             int const m_rows = p.cu_total_m_blocks[bidb + 1] - m_begin;
             if (row >= m_rows) { return list; }  // a tile past the lists: nothing listed
             int const idx_begin = p.cu_block_idx_offsets[bidb];
-            capacity = (p.cu_block_idx_offsets[bidb + 1] - idx_begin) / m_rows;
-            cnt_offset = head * p.cnt_head_stride + m_begin + row;
-            idx_offset = head * p.idx_head_stride + idx_begin + int64_t(row) * capacity;
+            int const capacity = (p.cu_block_idx_offsets[bidb + 1] - idx_begin) / m_rows;
+            int64_t const cnt_offset = head * p.full.cnt_head_stride + m_begin + row;
+            int64_t const idx_offset = head * p.full.idx_head_stride + idx_begin + int64_t(row) * capacity;
+            list.full_idx = p.full_idx + idx_offset;
+            list.num_full = clamped(p.full_cnt + cnt_offset, capacity);
+            list.num_entries = list.num_full;
+            if (p.mask_idx != nullptr) {
+                list.mask_idx = p.mask_idx + idx_offset;
+                list.num_entries += clamped(p.mask_cnt + cnt_offset, capacity);
+            }
         } else {
-            capacity = p.idx_capacity;
-            cnt_offset = bidb * p.cnt_batch_stride + head * p.cnt_head_stride + row;
-            idx_offset = bidb * p.idx_batch_stride + head * p.idx_head_stride + row * p.idx_row_stride;
+            list.full_idx = p.full_idx + batched_idx_offset(p.full, bidb, head, row);
+            list.num_full = clamped(p.full_cnt + batched_cnt_offset(p.full, bidb, head, row), p.full.idx_capacity);
+            list.num_entries = list.num_full;
+            if (p.mask_idx != nullptr) {
+                list.mask_idx = p.mask_idx + batched_idx_offset(p.mask, bidb, head, row);
+                list.num_entries += clamped(p.mask_cnt + batched_cnt_offset(p.mask, bidb, head, row), p.mask.idx_capacity);
+            }
         }
-        auto clamp_count = [&](int const *cnt) { return cnt == nullptr ? 0 : max(0, min(cnt[cnt_offset], capacity)); };
-        list.full_idx = p.full_idx + idx_offset;
-        list.num_full = clamp_count(p.full_cnt);
-        if (p.mask_idx != nullptr) { list.mask_idx = p.mask_idx + idx_offset; }
-        list.num_entries = list.num_full + clamp_count(p.mask_cnt);
         return list;
+    }
+
+    CUTLASS_DEVICE static int64_t
+    batched_cnt_offset(SparseListLayout const &l, int const bidb, int const head, int const row) {
+        return bidb * l.cnt_batch_stride + head * l.cnt_head_stride + row * l.cnt_row_stride;
+    }
+    CUTLASS_DEVICE static int64_t
+    batched_idx_offset(SparseListLayout const &l, int const bidb, int const head, int const row) {
+        return bidb * l.idx_batch_stride + head * l.idx_head_stride + row * l.idx_row_stride;
     }
 
     // Warm, from the thread that claimed it, the lists of a batched tile that runs next: its
@@ -71,20 +85,18 @@ struct SparseBlockList {
     prefetch(SparseBlockParams const &p, int const bidb, int const bidh, int const m_block) {
         int const head = bidh / p.head_ratio;
         int const row = m_block / p.tiles_per_row;
-        int64_t const cnt_offset = bidb * p.cnt_batch_stride + head * p.cnt_head_stride + row;
-        int64_t const idx_offset = bidb * p.idx_batch_stride + head * p.idx_head_stride + row * p.idx_row_stride;
-        int const last_byte = min(p.idx_capacity * int(sizeof(int)), kPrefetchBytes) - 1;
         auto warm = [](void const *address) { asm volatile("prefetch.global.L1 [%0];" :: "l"(address)); };
-        auto warm_list = [&](int const *cnt, int const *idx) {
+        auto warm_list = [&](int const *cnt, int const *idx, SparseListLayout const &l) {
             if (cnt == nullptr || idx == nullptr) { return; }
-            warm(cnt + cnt_offset);
+            warm(cnt + batched_cnt_offset(l, bidb, head, row));
+            int const last_byte = min(l.idx_capacity * int(sizeof(int)), kPrefetchBytes) - 1;
             if (last_byte < 0) { return; }
-            char const *row_start = reinterpret_cast<char const *>(idx + idx_offset);
+            char const *row_start = reinterpret_cast<char const *>(idx + batched_idx_offset(l, bidb, head, row));
             warm(row_start);
             warm(row_start + last_byte);
         };
-        warm_list(p.full_cnt, p.full_idx);
-        warm_list(p.mask_cnt, p.mask_idx);
+        warm_list(p.full_cnt, p.full_idx, p.full);
+        warm_list(p.mask_cnt, p.mask_idx, p.mask);
     }
 
     // The listed id, possibly out of range.

@@ -9,19 +9,25 @@
 #include <cstdint>
 #include <tuple>
 
+// Where one kind of list (full or mask) lies: batched cnt[b, hs, m] and idx[b, hs, m, capacity]
+// by these strides; varlen cnt[hs, total_m_blocks] and idx[hs, total_n_blocks] by the head strides.
+struct SparseListLayout {
+    int64_t cnt_batch_stride = 0, cnt_head_stride = 0, cnt_row_stride = 0;
+    int64_t idx_batch_stride = 0, idx_head_stride = 0, idx_row_stride = 0;
+    int idx_capacity = 0;  // entries per batched row
+};
+
 struct SparseBlockParams {
-    // Lists: batched cnt[b, hs, m] and idx[b, hs, m, capacity]; varlen cnt[hs, total_m_blocks]
-    // and idx[hs, total_n_blocks] with cu_total_m_blocks / cu_block_idx_offsets (both [b + 1]).
-    // The mask lists share the strides of the full ones (metadata.py checks it).
+    // Lists, with cu_total_m_blocks / cu_block_idx_offsets (both [b + 1]) under varlen. Batched
+    // mask lists have their own layout (the zero-copy speculative form's are stride-0 views of
+    // another width); varlen ones share the full lists' (the host checks it).
     int const *full_cnt = nullptr;
     int const *full_idx = nullptr;
     int const *mask_cnt = nullptr;  // may be null: no mask blocks
     int const *mask_idx = nullptr;
     int const *cu_total_m_blocks = nullptr;  // non-null: varlen layout
     int const *cu_block_idx_offsets = nullptr;
-    int64_t cnt_batch_stride = 0, cnt_head_stride = 0;
-    int64_t idx_batch_stride = 0, idx_head_stride = 0, idx_row_stride = 0;
-    int idx_capacity = 0;  // entries per batched row
+    SparseListLayout full, mask;
     // Table head of a kernel tile: bidh / head_ratio, where bidh is the query head, or the K/V
     // head under PackGQA.
     int head_ratio = 1;
