@@ -175,10 +175,12 @@ def fa3_cases(randn):
 
 
 def fa3_paged_cases(randn, q, blocks, vblocks, cu_q):
-    """FA-3 over paged K/V (pages of 128 and 256 keys, permuted), seqused_k short of the table
+    """FA-3 over paged K/V (pages of 128 and 256 keys by TMA, and 16 and 64 by cp.async where the
+    build has those kernels; permuted), seqused_k short of the table
     (its tail ids garbage) and longer than it (cut to the table), a bad page id in the used range
     (past the cache, negative, INT_MAX; unvalidated), and a varlen paged call with seqused_k."""
-    for page in (128, 256):
+    from flash_attn_sparse.backends import fa3_ops
+    for page in (128, 256) if "PAGEDKV" in fa3_ops.disabled() else (128, 256, 16, 64):
         n_cols = -(-1000 // page)
         perm = torch.randperm(2 * n_cols + 3, generator=torch.Generator().manual_seed(page)).cuda()
         page_table = perm[:2 * n_cols].view(2, n_cols).to(torch.int32).contiguous()

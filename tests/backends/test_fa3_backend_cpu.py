@@ -58,7 +58,7 @@ def test_groups_1_2_4_8_16_pack_as_before_at_128_row_lists():
             assert fa3_ops._packs_query_heads(group, 8, 8 * group, 128, seqlen_q)
 
 
-def test_the_host_rules_are_refused_with_their_reason(sm90):
+def test_the_host_rules_are_refused_with_their_reason(sm90, monkeypatch):
     q, k, _ = qkv()
     assert fa3_ops.refusal(q, k, lists(), varlen=False) is None
     assert fa3_ops.refusal(q, k, lists(mask_width=3), varlen=False) is None
@@ -66,8 +66,14 @@ def test_the_host_rules_are_refused_with_their_reason(sm90):
     assert "block_size 128 only" in fa3_ops.refusal(q, k, SparseBlocks(shared.full_cnt, shared.full_idx, block_size=64),
                                                     varlen=False)
     assert "head dims" in fa3_ops.refusal(q[..., :96], k[..., :96], lists(), varlen=False)
-    assert "multiple of 128" in fa3_ops.refusal(q, k, lists(), varlen=False, page_size=64)
     assert fa3_ops.refusal(q, k, lists(), varlen=False, page_size=128) is None
+    assert fa3_ops.refusal(q, k, lists(), varlen=False, page_size=64) is None  # cp.async pages, packed
+    per_query_head = SparseBlocks(torch.ones(B, H, 1, dtype=torch.int32), torch.zeros(B, H, 1, 3, dtype=torch.int32),
+                                  block_size=128)
+    assert "per-K/V-head lists only" in fa3_ops.refusal(q, k, per_query_head, varlen=False, page_size=64)
+    monkeypatch.setitem(fa3_ops._DISABLED, "answer", ("PAGEDKV",))  # a build without those kernels
+    assert "DISABLE_PAGEDKV" in fa3_ops.refusal(q, k, lists(), varlen=False, page_size=64)
+    assert fa3_ops.refusal(q, k, lists(), varlen=False, page_size=256) is None
     assert fa3_ops.refusal(q, k, lists(), varlen=False, page_size=256, seqused_k=True) is None
     assert "seqused_k" in fa3_ops.refusal(q, k, lists(), varlen=True, page_size=128)
     # Batched mask lists of another width (the zero-copy speculative form's) have their own layout.

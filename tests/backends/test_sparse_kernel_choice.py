@@ -28,11 +28,13 @@ DRIVER = r"""
 #include "sparse_kernel_choice.h"
 int main() {
     SparseCallShape s;
-    int fp16, varlen;
+    int fp16, varlen, paged_cpasync;
     while (std::cin >> s.batch_size >> s.num_heads >> s.num_heads_k >> s.table_heads >> s.seqlen_q >> s.q_block_size
-                    >> s.head_dim >> fp16 >> varlen >> s.max_list_blocks >> s.num_sm >> s.num_splits >> s.pack_gqa) {
+                    >> s.head_dim >> fp16 >> varlen >> s.max_list_blocks >> s.num_sm >> s.num_splits >> s.pack_gqa
+                    >> paged_cpasync) {
         s.fp16 = fp16;
         s.varlen = varlen;
+        s.paged_cpasync = paged_cpasync;
         SparseKernelChoice const c = choose_sparse_kernel(s);
         std::printf("{\"refusal\": \"%s\", \"pack\": %d, \"num_splits\": %d, \"block_m\": %d, \"tiles_per_row\": %d}\n",
                     c.refusal.c_str(), int(c.pack), c.num_splits, c.block_m, c.tiles_per_row);
@@ -40,7 +42,7 @@ int main() {
 }
 """
 
-FLAGS = ["VARLEN", "PACKGQA", "SPLIT", "HDIM64", "HDIM128", "FP16"]
+FLAGS = ["VARLEN", "PACKGQA", "SPLIT", "HDIM64", "HDIM128", "FP16", "PAGEDKV"]
 ONE_LIST_ROW = 1 << 30
 
 
@@ -68,9 +70,9 @@ def chooser(tmp_path_factory):
 
 
 def call_fields(batch=1, heads=32, heads_k=8, table_heads=8, seqlen_q=1, q_block_size=None, head_dim=128,
-                fp16=False, varlen=False, max_list_blocks=64, num_sm=132, num_splits=0, pack_gqa=-1):
+                fp16=False, varlen=False, max_list_blocks=64, num_sm=132, num_splits=0, pack_gqa=-1, paged_cpasync=False):
     return (batch, heads, heads_k, table_heads, seqlen_q, q_block_size or seqlen_q, head_dim, fp16, varlen,
-            max_list_blocks, num_sm, num_splits, pack_gqa)
+            max_list_blocks, num_sm, num_splits, pack_gqa, paged_cpasync)
 
 
 def one(chooser, flag=None, **call):
@@ -101,10 +103,23 @@ def test_packing_needs_lists_shared_by_the_group_and_whole_tiles_per_list_row(ch
     assert "multiple of 128" in one(chooser, seqlen_q=512, q_block_size=32, heads=24, heads_k=8)["refusal"]
 
 
+def test_pages_not_holding_whole_blocks_take_packed_kernels_only(chooser):
+    """Their cp.async kernels are instantiated packed: a group of one packs too, per-query-head
+    lists (or pack_gqa=False) are refused with the reason, prefill packs when its tiles allow."""
+    for heads, seqlen_q, splits in ((8, 1, 0), (8, 1, 1), (32, 4, 0), (32, 1000, 1), (24, 256, 0)):
+        choice = one(chooser, heads=heads, seqlen_q=seqlen_q, q_block_size=128 if seqlen_q > 128 else None,
+                     num_splits=splits, paged_cpasync=True)
+        assert choice["refusal"] == "" and choice["pack"] == 1, (heads, seqlen_q, choice)
+    assert one(chooser, heads=8, seqlen_q=1, num_splits=1)["pack"] == 0  # contiguous: a group of one stays unpacked
+    for refused in (dict(table_heads=32), dict(pack_gqa=0), dict(seqlen_q=512, q_block_size=32, heads=24)):
+        assert "need packed tiles" in one(chooser, **{"seqlen_q": 4, "paged_cpasync": True, **refused})["refusal"]
+
+
 @pytest.mark.parametrize("flag", FLAGS)
 def test_a_narrowed_build_refuses_by_name_what_it_compiled_out(chooser, flag):
     needs = {"VARLEN": dict(varlen=True), "PACKGQA": dict(seqlen_q=4, pack_gqa=1), "SPLIT": dict(num_splits=4),
-             "HDIM64": dict(head_dim=64), "HDIM128": dict(head_dim=128), "FP16": dict(fp16=True)}[flag]
+             "HDIM64": dict(head_dim=64), "HDIM128": dict(head_dim=128), "FP16": dict(fp16=True),
+             "PAGEDKV": dict(seqlen_q=4, paged_cpasync=True)}[flag]
     assert one(chooser, None, **needs)["refusal"] == ""
     refusal = one(chooser, flag, **needs)["refusal"]
     assert f"FLASH_ATTENTION_DISABLE_{flag})" in refusal, refusal
@@ -131,6 +146,13 @@ def test_the_python_mirror_of_packing_agrees_with_the_host(chooser):
         mirror = fa3_ops._packs_query_heads(call["heads"] // 8, call["table_heads"], call["heads"],
                                             call["q_block_size"], call["seqlen_q"])
         assert bool(choice["pack"]) == mirror or choice["refusal"], (call, choice)
+    # With pages that do not hold whole blocks the host packs exactly where fa3_ops._packable says.
+    for call in calls:
+        call["paged_cpasync"] = True
+    for call, choice in zip(calls, chooser(None)(calls)):
+        packable = fa3_ops._packable(call["heads"] // 8, call["table_heads"], call["heads"], call["q_block_size"],
+                                     call["seqlen_q"])
+        assert bool(choice["pack"]) == packable and (choice["refusal"] == "") == packable, (call, choice)
 
 
 @pytest.mark.parametrize("flag", [None, *FLAGS])

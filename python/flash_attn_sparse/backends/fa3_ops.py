@@ -22,7 +22,7 @@ from ..metadata import SparseBlocks
 BLOCK_SIZE = 128  # kSparseBlockSize: one K/V block is one kernel tile_n
 TILE_M = 128  # query rows of the tile packing and splitting are decided on (tile_size_fwd_sm90_sparse)
 HEAD_DIMS = (64, 128)  # the instantiated head dims (generate_kernels_sparse.py)
-PAGE_MULTIPLE = BLOCK_SIZE  # paged K/V: a page holds whole list blocks
+PAGE_MULTIPLE = BLOCK_SIZE  # pages of whole list blocks take TMA loads, others cp.async (packed kernels only)
 
 
 # Answers fixed per process, in plain dicts: torch.compile traces through a functools.lru_cache
@@ -72,12 +72,17 @@ def _on_sm90(q: Tensor) -> bool:
     return q.is_cuda and _capability(q.device.index if q.device.index is not None else torch.cuda.current_device()) == (9, 0)
 
 
-def _packs_query_heads(group: int, list_heads: int, num_heads: int, q_block_size: int, seqlen_q: int) -> bool:
-    """The host's PackGQA choice (pack_gqa=None), for any group: the query heads of a K/V head
-    share tiles when they share lists (shared or per K/V head) and no tile straddles two list
-    rows: one list row covers every query, or a list row's packed rows fill whole tiles."""
-    return (group > 1 and list_heads != num_heads and "PACKGQA" not in disabled()
+def _packable(group: int, list_heads: int, num_heads: int, q_block_size: int, seqlen_q: int) -> bool:
+    """Whether the host can pack a K/V head's query heads into shared tiles: they share lists
+    (shared or per K/V head, or a group of one) and no tile straddles two list rows (one list row
+    covers every query, or a list row's packed rows fill whole tiles)."""
+    return ((group == 1 or list_heads != num_heads) and "PACKGQA" not in disabled()
             and (q_block_size >= seqlen_q or (q_block_size * group) % TILE_M == 0))
+
+
+def _packs_query_heads(group: int, list_heads: int, num_heads: int, q_block_size: int, seqlen_q: int) -> bool:
+    """The host's PackGQA choice (pack_gqa=None) for a group of more than one, any group."""
+    return group > 1 and _packable(group, list_heads, num_heads, q_block_size, seqlen_q)
 
 
 def packed_group(q: Tensor, k: Tensor, blocks: SparseBlocks, seqlen_q: int) -> int:
@@ -103,9 +108,10 @@ def refusal(q: Tensor, k: Tensor, blocks: SparseBlocks, *, varlen: bool, page_si
                                               ("VARLEN", varlen or seqused_k)) if needed and flag in disabled()]
     if compiled_out:
         return f"this flash_attn_3 build has no such kernels (FLASH_ATTENTION_DISABLE_{compiled_out[0]})"
-    if page_size is not None and page_size % PAGE_MULTIPLE:
-        return (f"the FA-3 sparse kernel takes pages of a multiple of {PAGE_MULTIPLE} keys (its TMA loads read a "
-                f"{BLOCK_SIZE}-key block from one page), got page_size {page_size}")
+    cpasync_pages = page_size is not None and page_size % PAGE_MULTIPLE != 0
+    if cpasync_pages and ("PAGEDKV" in disabled() or "PACKGQA" in disabled()):
+        return (f"this flash_attn_3 build has no kernels for pages of other than a multiple of {PAGE_MULTIPLE} keys "
+                "(FLASH_ATTENTION_DISABLE_PAGEDKV or _PACKGQA)")
     if page_size is not None and varlen and not seqused_k:
         return "the FA-3 sparse kernel takes varlen paged calls with seqused_k (the sequences' key counts)"
     if blocks.block_size != BLOCK_SIZE:
@@ -127,6 +133,11 @@ def refusal(q: Tensor, k: Tensor, blocks: SparseBlocks, *, varlen: bool, page_si
     if q_block_size <= 0 or not (packs or q_block_size >= seqlen_q or q_block_size % TILE_M == 0):
         return (f"q_block_size {q_block_size} must be a multiple of {TILE_M} (the query rows of a tile) "
                 "or cover every query row here")
+    if cpasync_pages and not _packable(num_heads // num_heads_k, blocks.num_heads, num_heads, q_block_size, seqlen_q):
+        # Its kernels for pages that do not hold whole blocks load K/V with cp.async, packed only.
+        return (f"the FA-3 sparse kernel takes pages of other than a multiple of {PAGE_MULTIPLE} keys (got {page_size}) "
+                "with shared or per-K/V-head lists only, and q_block_size * group a multiple of "
+                f"{TILE_M} or one list row for every query")
     return None
 
 

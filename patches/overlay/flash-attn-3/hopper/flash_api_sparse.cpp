@@ -40,7 +40,7 @@ void set_params_fprop(Flash_fwd_params &params, const size_t b, const size_t seq
                       int window_size_right, int attention_chunk, const float softcap, const int sm_margin);
 void run_mha_fwd_combine(Flash_fwd_params &params, cudaStream_t stream, bool enable_pdl);
 
-template <typename T, int kHeadDim, bool Split, bool PackGQA, int kBlockM>
+template <typename T, int kHeadDim, bool Split, bool PackGQA, int kBlockM, bool PagedKVNonTMA>
 void run_mha_fwd_sparse_(Flash_fwd_params &params, cudaStream_t stream);
 
 namespace {
@@ -72,25 +72,40 @@ SparseListLayout batched_layout(at::Tensor const &cnt, at::Tensor const &idx) {
 // The instantiations of the build (setup.py leaves out those its DISABLE flags remove).
 template <typename T, int kHeadDim>
 void run_sparse_of_type(Flash_fwd_params &params, cudaStream_t stream) {
+    if (params.page_table != nullptr && !params.pagedkv_tma) {  // cp.async pages: packed kernels only (the host packs)
+#if !defined(FLASHATTENTION_DISABLE_PAGEDKV) && !defined(FLASHATTENTION_DISABLE_PACKGQA)
+        if (params.num_splits > 1) {
+#ifndef FLASHATTENTION_DISABLE_SPLIT
+            if (params.sparse.block_m == kSparseBlockMDecode) {
+                return run_mha_fwd_sparse_<T, kHeadDim, true, true, kSparseBlockMDecode, true>(params, stream);
+            }
+            return run_mha_fwd_sparse_<T, kHeadDim, true, true, kSparseBlockM, true>(params, stream);
+#endif
+        } else {
+            return run_mha_fwd_sparse_<T, kHeadDim, false, true, kSparseBlockM, true>(params, stream);
+        }
+#endif
+        TORCH_CHECK(false, "this build has no cp.async paged sparse kernel for num_splits=", params.num_splits);
+    }
     if (params.num_splits > 1) {
 #ifndef FLASHATTENTION_DISABLE_SPLIT
         if (params.pack_gqa) {
 #ifndef FLASHATTENTION_DISABLE_PACKGQA
             if (params.sparse.block_m == kSparseBlockMDecode) {
-                return run_mha_fwd_sparse_<T, kHeadDim, true, true, kSparseBlockMDecode>(params, stream);
+                return run_mha_fwd_sparse_<T, kHeadDim, true, true, kSparseBlockMDecode, false>(params, stream);
             }
-            return run_mha_fwd_sparse_<T, kHeadDim, true, true, kSparseBlockM>(params, stream);
+            return run_mha_fwd_sparse_<T, kHeadDim, true, true, kSparseBlockM, false>(params, stream);
 #endif
         } else {
-            return run_mha_fwd_sparse_<T, kHeadDim, true, false, kSparseBlockM>(params, stream);
+            return run_mha_fwd_sparse_<T, kHeadDim, true, false, kSparseBlockM, false>(params, stream);
         }
 #endif
     } else if (params.pack_gqa) {
 #ifndef FLASHATTENTION_DISABLE_PACKGQA
-        return run_mha_fwd_sparse_<T, kHeadDim, false, true, kSparseBlockM>(params, stream);
+        return run_mha_fwd_sparse_<T, kHeadDim, false, true, kSparseBlockM, false>(params, stream);
 #endif
     } else {
-        return run_mha_fwd_sparse_<T, kHeadDim, false, false, kSparseBlockM>(params, stream);
+        return run_mha_fwd_sparse_<T, kHeadDim, false, false, kSparseBlockM, false>(params, stream);
     }
     TORCH_CHECK(false, "this build has no sparse kernel for num_splits=", params.num_splits, ", pack_gqa=", params.pack_gqa);
 }
@@ -167,9 +182,7 @@ SparseLaunch prepare_sparse(
         TORCH_CHECK(page_table->scalar_type() == at::kInt && page_table->device() == q.device() && page_table->dim() == 2
                     && page_table->size(0) == batch_size && (page_table->numel() == 0 || page_table->stride(-1) == 1),
                     "page_table must be an int32 (batch_size, max_pages) tensor on the device of q with a contiguous last dimension");
-        // TMA loads one 128-key block from one page; smaller pages would need a block from several.
-        TORCH_CHECK(page_size > 0 && page_size % kSparseBlockSize == 0, "the FA-3 sparse path takes pages of a multiple of ",
-                    kSparseBlockSize, " keys, got page_size ", page_size);
+        TORCH_CHECK(page_size > 0, "page_size (k.size(1)) must be positive");
         TORCH_CHECK(v.size(0) == num_pages && v.size(1) == page_size, "v must have the pages of k");
     }
     if (seqused_k.has_value()) {
@@ -231,6 +244,8 @@ SparseLaunch prepare_sparse(
     C10_CUDA_CHECK(cudaDeviceGetAttribute(&shape.num_sm, cudaDevAttrMultiProcessorCount, q.get_device()));
     shape.num_splits = int(std::clamp<int64_t>(num_splits, -1, kSparseMaxSplits));
     shape.pack_gqa = pack_gqa.has_value() ? int(*pack_gqa) : -1;
+    // TMA loads a 128-key block from one page; pages that do not hold whole blocks take cp.async loads.
+    shape.paged_cpasync = paged && page_size % kSparseBlockSize != 0;
     SparseKernelChoice const choice = choose_sparse_kernel(shape);
     TORCH_CHECK(choice.refusal.empty(), choice.refusal);
     bool const pack = choice.pack;
@@ -265,12 +280,12 @@ SparseLaunch prepare_sparse(
     params.dv = head_size;
     params.dv_rounded = head_size;
     params.page_size = 1;
-    if (paged) {  // TMA paging (page_size a multiple of kBlockN), as upstream's get_pagedkv_tma
+    if (paged) {  // TMA paging where a page holds whole kBlockN blocks, as upstream's get_pagedkv_tma
         params.page_table = page_table->data_ptr<int>();
         params.page_table_batch_stride = page_table->stride(0);
         params.page_size = page_size;
         params.num_pages = num_pages;
-        params.pagedkv_tma = true;
+        params.pagedkv_tma = !shape.paged_cpasync;
         params.sparse.max_keys = seqlen_k;
     }
     params.pack_gqa = pack;

@@ -1,6 +1,7 @@
 """Instantiations of the sparse SM90 forward (flash_fwd_sparse_launch_template.h): head dims 64
 and 128, fp16 and bf16, with and without PackGQA (shared and per-K/V-head lists) and split-KV, in
-128-row tiles, and packed split calls also in 64-row tiles (`_m64`, decode: sparse_params.h).
+128-row tiles, and packed split calls also in 64-row tiles (`_m64`, decode: sparse_params.h); the
+packed ones also with cp.async paged K/V (`_paged`: pages that do not hold whole 128-key blocks).
 
 They are not carried as files: setup.py calls write_sparse_kernels() for the units its DISABLE
 flags keep, and generate_kernels.py writes all of them beside the dense ones."""
@@ -22,22 +23,24 @@ PRELUDE = """// Copyright (c) 2024, Jay Shah, Ganesh Bikshandi, Ying Zhang, Vija
 
 SPARSE_TEMPLATE = """#include "flash_fwd_sparse_launch_template.h"
 
-#ifndef FLASHATTENTION_DISABLE_SPARSE
-#ifndef FLASHATTENTION_DISABLE_HDIM{HEAD_DIM}
-template void run_mha_fwd_sparse_<{DTYPE}, {HEAD_DIM}, {SPLIT}, {PACKGQA}, {BLOCK_M}>(Flash_fwd_params &params, cudaStream_t stream);
-#endif
-#endif
+{GUARDS}
+template void run_mha_fwd_sparse_<{DTYPE}, {HEAD_DIM}, {SPLIT}, {PACKGQA}, {BLOCK_M}, {PAGED}>(Flash_fwd_params &, cudaStream_t);
+{ENDIFS}
 """
 
 
 def sparse_kernels():
     for dtype, head_dim, packgqa, split in itertools.product(SPARSE_DTYPES, SPARSE_HEAD_DIMENSIONS, [False, True], [False, True]):
-        for block_m in [128, 64] if packgqa and split else [128]:
-            filename = (f"flash_fwd_hdim{head_dim}_{dtype}{'_packgqa' if packgqa else ''}{'_split' if split else ''}"
-                        f"{'_m64' if block_m == 64 else ''}_sparse_sm90.cu")
-            template = SPARSE_TEMPLATE.format(DTYPE=SPARSE_DTYPES[dtype], HEAD_DIM=head_dim, SPLIT=str(split).lower(),
-                                              PACKGQA=str(packgqa).lower(), BLOCK_M=block_m)
-            yield SparseKernel(template, filename)
+        for block_m, paged in itertools.product([128, 64] if packgqa and split else [128], [False, True] if packgqa else [False]):
+            filename = (f"flash_fwd_hdim{head_dim}_{dtype}{'_paged' if paged else ''}{'_packgqa' if packgqa else ''}"
+                        f"{'_split' if split else ''}{'_m64' if block_m == 64 else ''}_sparse_sm90.cu")
+            # PAGEDKV: upstream's flag for its cp.async paged kernels covers these too.
+            flags = ["SPARSE"] + (["PAGEDKV"] if paged else []) + [f"HDIM{head_dim}"]
+            template = SPARSE_TEMPLATE.format(
+                GUARDS="\n".join(f"#ifndef FLASHATTENTION_DISABLE_{flag}" for flag in flags), ENDIFS="#endif\n" * len(flags),
+                DTYPE=SPARSE_DTYPES[dtype], HEAD_DIM=head_dim, SPLIT=str(split).lower(), PACKGQA=str(packgqa).lower(),
+                BLOCK_M=block_m, PAGED=str(paged).lower())
+            yield SparseKernel(template.rstrip("\n") + "\n", filename)
 
 
 def write_sparse_kernels(output_dir, keep=lambda filename: True):

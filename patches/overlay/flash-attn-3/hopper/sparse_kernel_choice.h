@@ -25,6 +25,7 @@ struct SparseCallShape {
     int num_sm = 0;
     int num_splits = 0;       // requested; <= 0: chosen here
     int pack_gqa = -1;        // requested: 1 on, 0 off, -1 chosen here
+    bool paged_cpasync = false;  // paged K/V in pages that do not hold whole 128-key blocks
 };
 
 struct SparseKernelChoice {
@@ -67,6 +68,9 @@ inline std::vector<std::string> sparse_build_disabled() {
 #ifdef FLASHATTENTION_DISABLE_FP16
     disabled.push_back("FP16");
 #endif
+#ifdef FLASHATTENTION_DISABLE_PAGEDKV
+    disabled.push_back("PAGEDKV");
+#endif
     return disabled;
 }
 
@@ -85,8 +89,12 @@ inline std::string sparse_build_refusal(SparseCallShape const &s) {
 #ifdef FLASHATTENTION_DISABLE_HDIM128
     if (s.head_dim == 128) { return build + "HDIM128) has no head dim 128 kernels"; }
 #endif
+#ifdef FLASHATTENTION_DISABLE_PAGEDKV
+    if (s.paged_cpasync) { return build + "PAGEDKV) has no kernels for pages of other than a multiple of 128 keys"; }
+#endif
 #ifdef FLASHATTENTION_DISABLE_PACKGQA
     if (s.pack_gqa == 1) { return build + "PACKGQA) has no PackGQA kernels: pass pack_gqa=False or None"; }
+    if (s.paged_cpasync) { return build + "PACKGQA) has no kernels for pages of other than a multiple of 128 keys (they pack)"; }
 #endif
 #ifdef FLASHATTENTION_DISABLE_SPLIT
     if (s.num_splits > 1) { return build + "SPLIT) has no split-KV kernels: pass num_splits=1 or 0"; }
@@ -124,7 +132,14 @@ inline SparseKernelChoice choose_sparse_kernel(SparseCallShape const &s) {
                     + std::to_string(kSparseBlockM);
         return c;
     }
-    c.pack = packable && group > 1;
+    // cp.async paged kernels are instantiated packed only (as upstream's): a group of 1 packs too.
+    if (s.paged_cpasync && !packable) {
+        c.refusal = "pages of other than a multiple of " + std::to_string(kSparseBlockSize)
+                    + " keys need packed tiles: shared or per-K/V-head lists, one list row for all queries or q_block_size * group "
+                      "a multiple of " + std::to_string(kSparseBlockM) + ", and pack_gqa not False";
+        return c;
+    }
+    c.pack = packable && (group > 1 || s.paged_cpasync);
     if (!(s.q_block_size > 0 && (one_list_row || c.pack || s.q_block_size % kSparseBlockM == 0))) {
         c.refusal = "q_block_size must be a positive multiple of " + std::to_string(kSparseBlockM)
                     + " here (or cover every query row)";
