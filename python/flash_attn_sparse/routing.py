@@ -4,8 +4,11 @@ capture and under torch.compile, so a call validated eagerly runs the same kerne
 
 | GPU | call | backend |
 |---|---|---|
-| sm90 + flash_attn_3 | FA-3 takes it; >= 128 query rows per sequence, or it packs GQA query heads | fa3 |
+| sm90 + flash_attn_3 | FA-3 takes it, K/V contiguous without seqused_k; >= 128 query rows per sequence, or it packs GQA query heads | fa3 |
 | any | every other call | fa2 |
+
+Paged and seqused_k calls stay on FA-2 until FA-3's paged path is timed against it (backend="fa3"
+runs them on FA-3).
 
 fa4 runs on request only (backend="fa4"): under graph replay it can lead at decode, but its host
 time per eager call (flash-attn-4's Python dispatch) is many times a decode kernel's, so no one
@@ -49,6 +52,8 @@ def runs_somewhere(call: SparseCall) -> bool:
 def fa3_reason(call: SparseCall) -> Optional[str]:
     """Why auto sends this call to fa3, or None: prefill-shaped, or decode whose GQA query heads
     FA-3 packs (where it packs, it led fa2 at every packed row count measured), and FA-3 takes it."""
+    if call.page_table is not None or call.seqused_k is not None:
+        return None  # FA-3's paged / seqused_k path is not yet timed against FA-2's
     rows = query_rows(call)
     if rows >= FA3_MIN_QUERY_ROWS:
         why = f"{rows:g} query rows per sequence"

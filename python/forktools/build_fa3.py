@@ -17,7 +17,7 @@ Profiles (the FLASH_ATTENTION_DISABLE_* variables of hopper/setup.py, patch flas
   (those two for sm90a alone: SM80 is off),
   and the sparse path (patches flash-attn-3/0002-0003): DEV_SPARSE_KERNELS (20 units, written by
   setup.py from generate_kernels_sparse.py) + flash_api_sparse.cpp, and cuda_driver_entry_points.cpp
-  (patch flash-attn-3/0009): 37 units in all.
+  (patch flash-attn-3/0010): 37 units in all.
 - full: upstream's FA-3 matrix.
 """
 

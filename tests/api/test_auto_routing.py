@@ -67,6 +67,19 @@ def test_groups_that_do_not_divide_the_tile_pack_on_fa3_too(builds, group, seqle
     assert routing.choose(decode)[0] == "fa3"
 
 
+def test_paged_and_seqused_k_calls_stay_on_fa2_until_fa3_is_timed_there(builds):
+    """FA-3 takes them (builds.fa3 None), yet auto keeps them on FA-2; backend="fa3" runs them."""
+    for shape, blocks in ((PREFILL, 32), (DECODE, 16)):
+        plain = call(**shape, list_blocks=blocks)
+        assert routing.choose(plain)[0] == "fa3"
+        seqused = plain.rebind(seqused_k=torch.full((plain.batch,), 100, dtype=torch.int32))
+        paged = plain.rebind(page_table=torch.zeros(plain.batch, 1, dtype=torch.int32))  # routing reads only its presence
+        for gated in (seqused, paged):
+            assert routing.choose(gated)[0] == "fa2"
+            gated.requested_backend = "fa3"
+            assert routing.choose(gated) == ("fa3", "requested")
+
+
 def test_fa4_runs_on_request_only(builds):
     for shape, blocks in ((PREFILL, 32), (DECODE, 16), (dict(DECODE, seqlen_q=1), 16)):
         assert routing.choose(call(**shape, list_blocks=blocks))[0] != "fa4"

@@ -151,9 +151,11 @@ def test_paged_equals_contiguous(backend, page_size, block_size, seqlen_q, num_s
     check_against_reference(out, lse, q, clean_k, clean_v, full, mask, SEQUSED, block_size, causal)
 
 
-@pytest.mark.parametrize("page_size,block_size", [(16, 64), (128, 128), (512, 128)])
-def test_paged_without_seqused_k_uses_every_page(page_size, block_size):
+@pytest.mark.parametrize("backend,page_size,block_size", [("fa2", 16, 64), ("fa2", 128, 128), ("fa2", 512, 128),
+                                                          ("fa3", 128, 128), ("fa3", 512, 128), ("fa3", 64, 128)])
+def test_paged_without_seqused_k_uses_every_page(backend, page_size, block_size):
     """seqlen_k is then max_pages * page_size; the shared 1-D table form."""
+    backend_pages(backend, page_size)
     g = torch.Generator(device="cuda").manual_seed(page_size)
     n_cols = cdiv(1200, page_size)
     seqlen_k = n_cols * page_size
@@ -164,8 +166,9 @@ def test_paged_without_seqused_k_uses_every_page(page_size, block_size):
     table = torch.tensor(ids, dtype=torch.int32, device="cuda")
     for num_splits in (0, 1, 3):
         out, lse = fas.flash_attn_with_sparse_block_table(q, k_cache, v_cache, table, block_size=block_size,
-                                                          num_splits=num_splits, page_table=page_table)
-        ref_out, ref_lse = fas.flash_attn_with_sparse_block_table(q, k, v, table, block_size=block_size, num_splits=num_splits)
+                                                          num_splits=num_splits, page_table=page_table, backend=backend)
+        ref_out, ref_lse = fas.flash_attn_with_sparse_block_table(q, k, v, table, block_size=block_size, num_splits=num_splits,
+                                                                  backend=backend)
         assert_bitwise_equal(out, ref_out, "out")
         assert_bitwise_equal(lse, ref_lse, "lse")
     full = [[[ids]] * HEADS_K] * BATCH
@@ -199,8 +202,10 @@ def test_paged_interleaved_cache_and_shared_prefix_pages():
     check_against_reference(out, lse, q, clean_k, clean_v, full, mask, seqused, block_size, True)
 
 
-def test_paged_key_offsets_past_2_31_elements():
+@pytest.mark.parametrize("backend", ["fa2", "fa3"])
+def test_paged_key_offsets_past_2_31_elements(backend):
     """Pages at the end of a 4 GiB cache: page * rows_per_page * row_stride exceeds 2^31 elements."""
+    backend_present(backend)
     page_size, block_size, heads_k, dim = 256, 128, 1, 128
     num_pages = (2**31 // (page_size * heads_k * dim)) + 64
     k_cache = torch.empty(num_pages, page_size, heads_k, dim, dtype=torch.bfloat16, device="cuda")
@@ -213,8 +218,9 @@ def test_paged_key_offsets_past_2_31_elements():
     table = torch.tensor([15, 0, 7, 8], dtype=torch.int32, device="cuda")
     for num_splits in (1, 2):
         out, lse = fas.flash_attn_with_sparse_block_table(q, k_cache, v_cache, table, block_size=block_size,
-                                                          num_splits=num_splits, page_table=page_table)
-        ref_out, ref_lse = fas.flash_attn_with_sparse_block_table(q, k, v, table, block_size=block_size, num_splits=num_splits)
+                                                          num_splits=num_splits, page_table=page_table, backend=backend)
+        ref_out, ref_lse = fas.flash_attn_with_sparse_block_table(q, k, v, table, block_size=block_size, num_splits=num_splits,
+                                                                  backend=backend)
         assert_bitwise_equal(out, ref_out, "out")
         assert_bitwise_equal(lse, ref_lse, "lse")
     del k_cache, v_cache

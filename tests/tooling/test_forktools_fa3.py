@@ -82,10 +82,10 @@ def patched_hopper(tmp_path_factory) -> Path:
 
 
 def test_dev_kernels_are_what_the_patched_setup_compiles(patched_hopper: Path, tmp_path, monkeypatch):
-    """The source list of hopper/setup.py (patches flash-attn-3/0001, 0003, 0009) under the dev
+    """The source list of hopper/setup.py (patches flash-attn-3/0001, 0003, 0010) under the dev
     variables, by running its list-building lines: 12 dense kernel units, the 20 sparse units it
     writes from generate_kernels_sparse.py (here into tmp_path), flash_api and flash_api_sparse,
-    combine and scheduler, and the driver entry points CUTLASS's TMA descriptors call (0009)."""
+    combine and scheduler, and the driver entry points CUTLASS's TMA descriptors call (0010)."""
     hopper = patched_hopper
     text = (hopper / "setup.py").read_text()
     flags = "".join(line + "\n" for line in text.splitlines() if re.match(r"(DISABLE_\w+|USE_SYSTEM_NVCC) = ", line))

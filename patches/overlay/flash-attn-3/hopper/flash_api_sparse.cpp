@@ -705,7 +705,7 @@ TORCH_LIBRARY_IMPL(flash_attn_3_sparse, Meta, m) {
 }
 
 // The eager entry points, bound with pybind11 into flash_attn_3._C by its PyInit__C (patch
-// flash-attn-3/0008): a call costs a few us less than through torch.classes or torch.ops, whose
+// flash-attn-3/0009): a call costs a few us less than through torch.classes or torch.ops, whose
 // argument parsing against a schema is most of the planned forward's host time. Named arguments,
 // as the ops'.
 int flash_sparse_add_python_api(PyObject *module) {
