@@ -114,18 +114,28 @@ def fa3(session) -> str:
     return run_pytest(session, "fa3", FA3_TESTS, env=env)
 
 
-def fa3_mutation(session) -> str:
-    """build --mutation with a hopper/ diff rebuilds only the FA-3 wheel (label .mutant)."""
-    if session.forktools("build", "--fa3-only", "--profile", "dev", "--reuse", "--mutation", str(FA3_MUTATION),
-                         output=session.logs / "fa3-mutation-build.log"):
-        return "fa3 mutation build: FAILED"
-    env = fa3_site(session, "fa3-mutant", session.newest("flash_attn_3-*mutant*.whl"))
+def fa3_mutant_must_fail(session, name: str, diff: Path, *pytest_args: str) -> str:
+    """build --mutation with a hopper/ diff rebuilds only the FA-3 wheel (label .mutant); the tests
+    that must catch it run on it, and the step passes when they fail."""
+    if session.forktools("build", "--fa3-only", "--profile", "dev", "--reuse", "--mutation", str(diff),
+                         output=session.logs / f"{name}-build.log"):
+        return f"{name} build: FAILED"
+    env = fa3_site(session, name, session.newest("flash_attn_3-*mutant*.whl"))
     if env is None:
-        return "fa3 mutation install: FAILED"
-    result = run_pytest(session, "fa3-mutant", FA3_TESTS, "-k", "permuted or forced_splits or wrapper", env=env)
+        return f"{name} install: FAILED"
+    result = run_pytest(session, name, *pytest_args, env=env)
     caught = session.last_rc == 1
     session.worst_rc = 0 if caught else 1
     return f"{result} ({'caught' if caught else 'NOT caught'}: these tests must fail)"
+
+
+def fa3_mutation(session) -> str:
+    return fa3_mutant_must_fail(session, "fa3-mutant", FA3_MUTATION, FA3_TESTS, "-k", "permuted or forced_splits or wrapper")
+
+
+def fa3_paged_mutation(session) -> str:
+    return fa3_mutant_must_fail(session, "fa3-paged-mutant", Path("tests/mutations/fa3-paged-loads-ignore-page-table.patch"),
+                                "tests/api/test_stage5_paged.py", "-k", "fa3 and page128")
 
 
 FA3_VARIANT_METHODS = "fa3_sparse,fa3_dense_listed,fa3_dense_listed_128"
@@ -527,6 +537,8 @@ STEPS = {
     "fa4": ("the stage-4 (FA-4 backend) tests", fa4),
     "fa3": ("the FA-3 sparse SM90 forward's tests (tests/backends/test_stage4_fa3_sparse.py) on the dev flash_attn_3 wheel", fa3),
     "fa3-mutation": ("the FA-3 wheel rebuilt with V stepping densely: its permuted-list tests must fail", fa3_mutation),
+    "fa3-paged-mutation": ("the FA-3 wheel rebuilt with paged loads ignoring the page table: its paged tests must fail",
+                           fa3_paged_mutation),
     "fa3-variants": ("each --fa3-variant diff built as an FA-3 wheel: the FA-3 tests, then fa3 and dense FA-3 on the bench "
                      "shapes, this build beside the variant", fa3_variants),
     "bench": ("benchmarks/bench_sparse.py on --bench-shapes: bench.md, bench.json", bench),
