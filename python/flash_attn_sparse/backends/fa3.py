@@ -59,6 +59,7 @@ def _list_args(blocks, tensors: dict) -> dict:
 
 
 def _call_tensors(call) -> dict:
+    """The call's sequence-length and page tensors, by name (cu_seqlens_* under varlen only)."""
     varlen = call.varlen
     return dict(cu_seqlens_q=call.cu_seqlens_q if varlen else None, cu_seqlens_k=call.cu_seqlens_k if varlen else None,
                 seqused_k=call.seqused_k, page_table=call.page_table)

@@ -183,6 +183,7 @@ SparseLaunch prepare_sparse(
                     && page_table->size(0) == batch_size && (page_table->numel() == 0 || page_table->stride(-1) == 1),
                     "page_table must be an int32 (batch_size, max_pages) tensor on the device of q with a contiguous last dimension");
         TORCH_CHECK(page_size > 0, "page_size (k.size(1)) must be positive");
+        TORCH_CHECK(int64_t(max_pages) * page_size <= std::numeric_limits<int>::max(), "max_pages * page_size must fit in int32");
         TORCH_CHECK(v.size(0) == num_pages && v.size(1) == page_size, "v must have the pages of k");
     }
     if (seqused_k.has_value()) {
