@@ -89,6 +89,11 @@ def gqa_sweep(session) -> str:
     return f"gqa sweep: {'gqa.md' if (session.out / 'gqa.md').exists() else 'FAILED (see logs/gqa.log)'}"
 
 
+def engine_bench(session) -> str:
+    session.run([PY, "benchmarks/bench_engine.py", "--out", session.out], output=session.logs / "engine.log", timeout=600)
+    return f"engine bench: {'engine.md' if (session.out / 'engine.md').exists() else 'FAILED (see logs/engine.log)'}"
+
+
 def mutation(session) -> str:
     return mutant_must_fail(session, "mutant", "tests/mutations/v-steps-densely.patch",
                             "tests/backends/test_stage3_sparse_fa2.py", "-k", "permuted or tail_block_in_the_middle")
@@ -567,6 +572,8 @@ STEPS = {
     "host-time": ("benchmarks/host_time.py: where plan.run's and the one-shot call's host time goes, per backend", host_time),
     "gqa-sweep": ("benchmarks/bench_gqa.py: every GQA group at decode against dense FA-3 over the listed keys: gqa.md, "
                   "gqa.json (--gqa-args)", gqa_sweep),
+    "engine-bench": ("benchmarks/bench_engine.py: the engine-shaped paged varlen call on fa3, fa2 and auto, and fa3 over "
+                     "contiguous K/V, per page size: engine.md, engine.json", engine_bench),
     "gqa-mutation": ("build with packed rows mapped to the wrong head: the GQA contract tests on fa2 must fail",
                      gqa_mutation),
     "host-profile": ("benchmarks/one_shot_profile.py: cProfile of the one-shot call per backend, into logs/", host_profile),
