@@ -193,3 +193,41 @@ def test_the_one_shot_plan_plans_once_and_passes_a_new_lse_per_call(monkeypatch)
     given = torch.zeros_like(q)
     result, _ = fa3.plan(call, 2, None).run_any_out(q, k, v, given)
     assert len(made) == 2 and launched[-1][0] == "fwd_into" and result is given
+
+
+def test_a_varlen_paged_call_passes_its_page_table_and_seqused_k_not_cu_seqlens_k(monkeypatch):
+    """The op's paged layout (as upstream's): the page table and seqused_k by name, and no
+    cu_seqlens_k (which would place keys in one packed tensor), on the plan and on run_with."""
+    from flash_attn_sparse.metadata import pack_varlen_lists
+    made, runs = [], []
+
+    class FakeSparseForward:
+        def __init__(self, **named):
+            made.append(named)
+
+        def release_run_buffers(self):
+            pass
+
+        def run_with(self, **named):
+            runs.append(named)
+            return torch.zeros(H, named["q"].shape[0])
+
+    monkeypatch.setattr(calls, "require_cuda", lambda q: None)
+    monkeypatch.setattr(fa3_ops, "planner", lambda: FakeSparseForward)
+    monkeypatch.setattr(fa3_ops, "direct", lambda: lambda **named: None)  # not called: the planned forward runs
+    seqlens_q, seqlens_k, page = [3, 1], [300, 700], 128
+    q = torch.zeros(sum(seqlens_q), H, D, dtype=torch.bfloat16)
+    k_cache = v_cache = torch.zeros(8, page, HK, D, dtype=torch.bfloat16)
+    page_table = torch.arange(12, dtype=torch.int32).remainder(8).view(2, 6)
+    cu = lambda lens: torch.tensor([0, lens[0], sum(lens)], dtype=torch.int32)  # noqa: E731
+    blocks = pack_varlen_lists([[[[0, 2]]] * HK, [[[5]]] * HK], None, 128, 128)
+    seqused_k = torch.tensor(seqlens_k, dtype=torch.int32)
+    call = calls.SparseCall(q, k_cache, v_cache, blocks, CallOptions(backend="fa3"), cu_seqlens_q=cu(seqlens_q),
+                            cu_seqlens_k=cu(seqlens_k), max_seqlen_q=3, max_seqlen_k=700, seqused_k=seqused_k,
+                            page_table=page_table)
+    one_shot = fa3.plan(call, 1, None, keep_buffers=False)
+    one_shot.run_with(q, k_cache, v_cache, None, blocks, dict(cu_seqlens_q=call.cu_seqlens_q, cu_seqlens_k=call.cu_seqlens_k,
+                                                               seqused_k=seqused_k, page_table=page_table))
+    for named in (made[0], runs[0]):
+        assert named["page_table"] is page_table and named["seqused_k"] is seqused_k and named["cu_seqlens_k"] is None
+        assert named["cu_seqlens_q"] is call.cu_seqlens_q
