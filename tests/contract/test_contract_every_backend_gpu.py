@@ -2,7 +2,8 @@
 API with backend="fa2", "fa3" or "fa4": permuted and gapped lists with V distinct per block, the
 partial tail block anywhere, empty lists, per-query-head / per-K/V-head / shared tables, causal
 mask blocks, forced splits, varlen with ragged and empty sequences, block-CSR input, the
-zero-copy speculative form, CUDA-graph replay with lists updated in place, determinism and torch.compile. Each call is
+zero-copy speculative form, paged K/V with seqused_k, CUDA-graph replay with lists updated in place, determinism and
+torch.compile. Each call is
 checked against the fp32 reference over exactly the listed keys (tests/contract.py).
 
 A backend may refuse a case before any kernel, with SparseInputError naming why: the test then
@@ -125,6 +126,45 @@ def test_block_csr_lists_converted_on_the_device(backend, table):
     listed = [[[rows[(b * TABLES[table] + h) * m_blocks + m] for m in range(m_blocks)] for h in range(TABLES[table])]
               for b in range(batch)]
     check_batched(out, lse, q, k, v, *pack_rows(listed, n_blocks), None, None, 128, False, scale_of(q))
+
+
+@pytest.mark.parametrize("page_size", [16, 64, 128, 256])
+@pytest.mark.parametrize("num_splits", [1, 3])
+def test_paged_kv_in_permuted_pages_with_seqused_k(backend, page_size, num_splits):
+    """The serving layout: K/V in a cache of permuted pages (pages past seqused_k and unused table
+    entries hold NaN / garbage ids), per-K/V-head lists with the tail block anywhere, causal mask
+    blocks: the reference over each sequence's first seqused_k keys."""
+    batch, seqlen_q, used = 2, 16, [1000, 777]
+    n_cols = -(-1024 // page_size)
+    q, k, v = make_qkv(batch, seqlen_q, n_cols * page_size, H, HK, D, torch.bfloat16, seed=page_size + num_splits)
+    g = torch.Generator().manual_seed(page_size)
+    num_pages = batch * n_cols + 3
+    order = torch.randperm(num_pages, generator=g)[:batch * n_cols].view(batch, n_cols)
+    k_cache = torch.full((num_pages, page_size, HK, D), float("nan"), dtype=k.dtype, device="cuda")
+    v_cache = torch.full_like(k_cache, float("nan"))
+    for b in range(batch):
+        for column in range(n_cols):
+            rows = slice(column * page_size, min((column + 1) * page_size, used[b]))
+            if rows.start < rows.stop:
+                k_cache[order[b, column], :rows.stop - rows.start] = k[b, rows]
+                v_cache[order[b, column], :rows.stop - rows.start] = v[b, rows]
+    page_table = order.to(torch.int32).cuda()
+    for b in range(batch):
+        page_table[b, -(-used[b] // page_size):] = -5  # never read
+    rng = random.Random(page_size)
+    full, mask = [], []
+    for b in range(batch):
+        n_blocks, diagonal = -(-used[b] // BLOCK), (used[b] - seqlen_q) // BLOCK
+        full.append([[gapped_permuted(rng, diagonal, 0.5)] for _ in range(HK)])
+        mask.append([[list(range(diagonal, n_blocks))[::-1]] for _ in range(HK)])
+    blocks, (full_cnt, full_idx, mask_cnt, mask_idx) = sparse_blocks(full, mask)
+    seqused_k = torch.tensor(used, dtype=torch.int32, device="cuda")
+    out, lse = attend(backend, lambda: fas.flash_attn_with_sparse_block_table(
+        q, k_cache, v_cache, blocks, causal=True, num_splits=num_splits, seqused_k=seqused_k, page_table=page_table,
+        backend=backend))
+    for b in range(batch):
+        check_batched(out[b:b + 1], lse[b:b + 1], q[b:b + 1], k[b:b + 1, :used[b]], v[b:b + 1, :used[b]],
+                      full_cnt[b:b + 1], full_idx[b:b + 1], mask_cnt[b:b + 1], mask_idx[b:b + 1], 128, True, scale_of(q))
 
 
 def test_the_zero_copy_speculative_form(backend):
