@@ -72,10 +72,15 @@ def mutant_must_fail(session, name: str, diff: str, *pytest_args: str) -> str:
     site = build_mutant(session, name, Path(diff))
     if site is None:
         return f"{name} build: FAILED"
-    result = run_pytest(session, name, *pytest_args, env={"PYTHONPATH": str(site)})
-    caught = session.last_rc == 1
-    session.worst_rc = 0 if caught else 1
-    return f"{result} ({'caught' if caught else 'NOT caught'}: these tests must fail)"
+    return caught(session, run_pytest(session, name, *pytest_args, env={"PYTHONPATH": str(site)}))
+
+
+def caught(session, result: str) -> str:
+    """The last pytest run on a mutant, reported: the step passes when its tests failed (pytest's
+    "some tests failed", not a crash or a timeout)."""
+    was_caught = session.last_rc == 1
+    session.worst_rc = 0 if was_caught else 1
+    return f"{result} ({'caught' if was_caught else 'NOT caught'}: these tests must fail)"
 
 
 def gqa_mutation(session) -> str:
@@ -128,10 +133,7 @@ def fa3_mutant_must_fail(session, name: str, diff: Path, *pytest_args: str) -> s
     env = fa3_site(session, name, session.newest("flash_attn_3-*mutant*.whl"))
     if env is None:
         return f"{name} install: FAILED"
-    result = run_pytest(session, name, *pytest_args, env=env)
-    caught = session.last_rc == 1
-    session.worst_rc = 0 if caught else 1
-    return f"{result} ({'caught' if caught else 'NOT caught'}: these tests must fail)"
+    return caught(session, run_pytest(session, name, *pytest_args, env=env))
 
 
 def fa3_mutation(session) -> str:

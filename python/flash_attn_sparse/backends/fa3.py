@@ -48,13 +48,17 @@ def _bound_args(call, splits: int) -> dict:
                                max_seqlen_k=call.max_seqlen_k if call.varlen else None)
 
 
+def _key_offsets(tensors: dict) -> Optional[Tensor]:
+    """The op's cu_seqlens_k: the call's, but none with a page table (the page table places keys)."""
+    return tensors.get("cu_seqlens_k") if tensors.get("page_table") is None else None
+
+
 def _list_args(blocks, tensors: dict) -> dict:
     """The lists, offsets, sequence lengths and page table, by the op's (and the extension's)
     argument names; tensors: the call's cu_seqlens_q, cu_seqlens_k, seqused_k and page_table."""
-    paged = tensors.get("page_table") is not None
     return dict(full_cnt=blocks.full_cnt, full_idx=blocks.full_idx, mask_cnt=blocks.mask_cnt, mask_idx=blocks.mask_idx,
                 cu_total_m_blocks=blocks.cu_total_m_blocks, cu_block_idx_offsets=blocks.cu_block_idx_offsets,
-                cu_seqlens_q=tensors.get("cu_seqlens_q"), cu_seqlens_k=None if paged else tensors.get("cu_seqlens_k"),
+                cu_seqlens_q=tensors.get("cu_seqlens_q"), cu_seqlens_k=_key_offsets(tensors),
                 seqused_k=tensors.get("seqused_k"), page_table=tensors.get("page_table"))
 
 
@@ -106,16 +110,15 @@ class Planned:
     def run_with(self, q: Tensor, k: Tensor, v: Tensor, out: Optional[Tensor], blocks, tensors: dict) -> Tuple[Tensor, Tensor]:
         if out is None:
             out = torch.empty_like(q)
-        page_table = tensors.get("page_table")
         if self._forward is not None:  # the lists by name, written out: no dict built per call
             return out, self._forward.run_with(q=q, k=k, v=v, out=out, full_cnt=blocks.full_cnt, full_idx=blocks.full_idx,
                                                mask_cnt=blocks.mask_cnt, mask_idx=blocks.mask_idx,
                                                cu_total_m_blocks=blocks.cu_total_m_blocks,
                                                cu_block_idx_offsets=blocks.cu_block_idx_offsets,
                                                cu_seqlens_q=tensors.get("cu_seqlens_q"),
-                                               cu_seqlens_k=None if page_table is not None else tensors.get("cu_seqlens_k"),
+                                               cu_seqlens_k=_key_offsets(tensors),
                                                max_seqlen_q=self._max_seqlens[0], max_seqlen_k=self._max_seqlens[1],
-                                               seqused_k=tensors.get("seqused_k"), page_table=page_table)
+                                               seqused_k=tensors.get("seqused_k"), page_table=tensors.get("page_table"))
         return out, self._direct(q=q, k=k, v=v, out=out, **_list_args(blocks, tensors), **self._bound)
 
 

@@ -69,40 +69,41 @@ SparseListLayout batched_layout(at::Tensor const &cnt, at::Tensor const &idx) {
     return l;
 }
 
+// The packed kernels (PackGQA), with cp.async paged K/V loads or not: split ones in the tile rows
+// the host chose, unsplit ones in 128-row tiles. Returns false where the build has none.
+template <typename T, int kHeadDim, bool PagedKVNonTMA>
+bool run_packed(Flash_fwd_params &params, cudaStream_t stream) {
+    if (params.num_splits > 1) {
+#ifndef FLASHATTENTION_DISABLE_SPLIT
+        if (params.sparse.block_m == kSparseBlockMDecode) {
+            run_mha_fwd_sparse_<T, kHeadDim, true, true, kSparseBlockMDecode, PagedKVNonTMA>(params, stream);
+        } else {
+            run_mha_fwd_sparse_<T, kHeadDim, true, true, kSparseBlockM, PagedKVNonTMA>(params, stream);
+        }
+        return true;
+#endif
+        return false;
+    }
+    run_mha_fwd_sparse_<T, kHeadDim, false, true, kSparseBlockM, PagedKVNonTMA>(params, stream);
+    return true;
+}
+
 // The instantiations of the build (setup.py leaves out those its DISABLE flags remove).
 template <typename T, int kHeadDim>
 void run_sparse_of_type(Flash_fwd_params &params, cudaStream_t stream) {
     if (params.page_table != nullptr && !params.pagedkv_tma) {  // cp.async pages: packed kernels only (the host packs)
 #if !defined(FLASHATTENTION_DISABLE_PAGEDKV) && !defined(FLASHATTENTION_DISABLE_PACKGQA)
-        if (params.num_splits > 1) {
-#ifndef FLASHATTENTION_DISABLE_SPLIT
-            if (params.sparse.block_m == kSparseBlockMDecode) {
-                return run_mha_fwd_sparse_<T, kHeadDim, true, true, kSparseBlockMDecode, true>(params, stream);
-            }
-            return run_mha_fwd_sparse_<T, kHeadDim, true, true, kSparseBlockM, true>(params, stream);
-#endif
-        } else {
-            return run_mha_fwd_sparse_<T, kHeadDim, false, true, kSparseBlockM, true>(params, stream);
-        }
+        if (run_packed<T, kHeadDim, true>(params, stream)) { return; }
 #endif
         TORCH_CHECK(false, "this build has no cp.async paged sparse kernel for num_splits=", params.num_splits);
     }
-    if (params.num_splits > 1) {
+    if (params.pack_gqa) {
+#ifndef FLASHATTENTION_DISABLE_PACKGQA
+        if (run_packed<T, kHeadDim, false>(params, stream)) { return; }
+#endif
+    } else if (params.num_splits > 1) {
 #ifndef FLASHATTENTION_DISABLE_SPLIT
-        if (params.pack_gqa) {
-#ifndef FLASHATTENTION_DISABLE_PACKGQA
-            if (params.sparse.block_m == kSparseBlockMDecode) {
-                return run_mha_fwd_sparse_<T, kHeadDim, true, true, kSparseBlockMDecode, false>(params, stream);
-            }
-            return run_mha_fwd_sparse_<T, kHeadDim, true, true, kSparseBlockM, false>(params, stream);
-#endif
-        } else {
-            return run_mha_fwd_sparse_<T, kHeadDim, true, false, kSparseBlockM, false>(params, stream);
-        }
-#endif
-    } else if (params.pack_gqa) {
-#ifndef FLASHATTENTION_DISABLE_PACKGQA
-        return run_mha_fwd_sparse_<T, kHeadDim, false, true, kSparseBlockM, false>(params, stream);
+        return run_mha_fwd_sparse_<T, kHeadDim, true, false, kSparseBlockM, false>(params, stream);
 #endif
     } else {
         return run_mha_fwd_sparse_<T, kHeadDim, false, false, kSparseBlockM, false>(params, stream);
