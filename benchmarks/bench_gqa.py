@@ -90,8 +90,8 @@ def dense_fa3():
 
 
 def run_sweep(args, written=lambda points: None) -> list:
-    """Every point of the sweep; written(points) after each batch and key length (a run cut short
-    keeps what it measured)."""
+    """Every point of the sweep; written(points) after each point (a run cut short keeps what it
+    measured)."""
     flush_buffer = torch.empty(L2_FLUSH_BYTES, dtype=torch.uint8, device="cuda")
     dense = dense_fa3()
     points = []
@@ -113,7 +113,7 @@ def run_sweep(args, written=lambda points: None) -> list:
                                               dense, flush_buffer.zero_)
                         print(summary_line(point), flush=True)
                         points.append(point)
-            written(points)
+                        written(points)
     return points
 
 
