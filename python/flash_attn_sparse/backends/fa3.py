@@ -54,12 +54,14 @@ def _key_offsets(tensors: dict) -> Optional[Tensor]:
 
 
 def _list_args(blocks, tensors: dict) -> dict:
-    """The lists, offsets, sequence lengths and page table, by the op's (and the extension's)
-    argument names; tensors: the call's cu_seqlens_q, cu_seqlens_k, seqused_k and page_table."""
+    """The lists, offsets, sequence lengths, page table and FP8 descales, by the op's (and the
+    extension's) argument names; tensors: the call's cu_seqlens_q, cu_seqlens_k, seqused_k,
+    page_table and, for e4m3 q/k/v, q_descale, k_descale and v_descale."""
     return dict(full_cnt=blocks.full_cnt, full_idx=blocks.full_idx, mask_cnt=blocks.mask_cnt, mask_idx=blocks.mask_idx,
                 cu_total_m_blocks=blocks.cu_total_m_blocks, cu_block_idx_offsets=blocks.cu_block_idx_offsets,
                 cu_seqlens_q=tensors.get("cu_seqlens_q"), cu_seqlens_k=_key_offsets(tensors),
-                seqused_k=tensors.get("seqused_k"), page_table=tensors.get("page_table"))
+                seqused_k=tensors.get("seqused_k"), page_table=tensors.get("page_table"),
+                q_descale=tensors.get("q_descale"), k_descale=tensors.get("k_descale"), v_descale=tensors.get("v_descale"))
 
 
 def _call_tensors(call) -> dict:
@@ -118,7 +120,9 @@ class Planned:
                                                cu_seqlens_q=tensors.get("cu_seqlens_q"),
                                                cu_seqlens_k=_key_offsets(tensors),
                                                max_seqlen_q=self._max_seqlens[0], max_seqlen_k=self._max_seqlens[1],
-                                               seqused_k=tensors.get("seqused_k"), page_table=tensors.get("page_table"))
+                                               seqused_k=tensors.get("seqused_k"), page_table=tensors.get("page_table"),
+                                               q_descale=tensors.get("q_descale"), k_descale=tensors.get("k_descale"),
+                                               v_descale=tensors.get("v_descale"))
         return out, self._direct(q=q, k=k, v=v, out=out, **_list_args(blocks, tensors), **self._bound)
 
 
