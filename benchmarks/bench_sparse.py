@@ -59,7 +59,7 @@ ROTATIONS = 4
 EAGER_WARMUP, EAGER_CALLS, EAGER_PASSES, HOST_CALLS = 10, 100, 3, 200
 DEFAULT_METHODS = ",".join(("copy", "read_listed", "fa2_sparse", "fa3_sparse", "fa4_sparse", "fa4_direct", "auto", "plan_run",
                             "fa2_dense", "fa3_dense_listed", "fa3_dense_listed_128", "fa2_dense_listed", "cudnn_listed",
-                            "speculative", "sdpa", "flex"))
+                            "speculative", "speculative_fa3", "sdpa", "flex"))
 
 
 @dataclass
@@ -296,11 +296,12 @@ def speculative_calls(shape, q, k, v, list_sets, backend="auto"):
                                                                                           **options) for s in spec])
     calls = {
         "union_one_pass": rotating_sparse_call(q, k, v, [s.union for s in spec], backend=backend),
-        "speculative_two_pass": gathered(),
+        "speculative_two_pass": gathered(backend=backend),
         "speculative_zero_copy": rotating([lambda s=s: fas.flash_attn_speculative_sparse_zero_copy(q, k, v, s.spec_table,
-                                                                                                     s.missed) for s in spec]),
+                                                                                                     s.missed, backend=backend)
+                                           for s in spec]),
     }
-    if backend != "fa2" and not cute.missing_runtime():
+    if backend == "auto" and not cute.missing_runtime():
         # The gathered form on FA-4 whatever auto would choose: one launch whose mask lists read
         # k_spec / v_spec (patch flash-attn-4/0006); at prefill the two-pass FA-4 form.
         calls["speculative_two_pass fa4"] = gathered(backend="fa4")
@@ -529,6 +530,9 @@ def bench_shape(shape, roofline, rows, methods, pristine=False):
         # the missed set, one pass (zero-copy form) and two passes + combine (gathered form).
         for name, call in speculative_calls(shape, q, k, v, list_sets).items():
             add(name, call, "shared list")
+    if "speculative_fa3" in methods and shape.density < 1 and not shape.causal:
+        for name, call in speculative_calls(shape, q, k, v, list_sets, backend="fa3").items():
+            add(f"{name} fa3", call, "shared list, backend fa3")
     if shape.density == 1.0 and "fa2_dense" in methods:
         from flash_attn import flash_attn_func
         add("fa2_dense", lambda: flash_attn_func(q, k, v, causal=shape.causal))

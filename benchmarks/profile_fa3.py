@@ -6,7 +6,7 @@ dense FA-3 over a K/V gathered to exactly the listed keys (bench_sparse.fa3_dens
 128-row query tiles, decode as one tile with FA-3's own splits). Under `ncu --launch-skip 2
 --launch-count 4` over the FA-3 forward kernels (the runner's `ncu-fa3-prefill` and
 `ncu-fa3-decode` steps) the third sparse and the three dense launches are profiled, so their
-per-instruction stalls compare tile for tile (issue 26: where the sparse kernel trails dense FA-3
+per-instruction stalls compare tile for tile (where the sparse kernel trails dense FA-3
 over the same keys; docs/performance.md).
 
     python benchmarks/profile_fa3.py [--shape "prefill B1 S16k H32 full"] [--density 0.0625]

@@ -1,4 +1,4 @@
-"""blocks_from_csr (issue 27): FlashInfer-style block-CSR to SparseBlocks, against a Python loop."""
+"""blocks_from_csr: FlashInfer-style block-CSR to SparseBlocks, against a Python loop."""
 
 import pytest
 import torch

@@ -1,4 +1,4 @@
-"""Plan once, run many, on CPU tensors with the kernels faked (issue 27): a SparsePlan validates
+"""Plan once, run many, on CPU tensors with the kernels faked: a SparsePlan validates
 once and runs many; the one-shot entry points cache their decisions by shape; out= is checked.
 
 The fake_gpu fixture lets CPU tensors past the CUDA-device check and records what would be

@@ -1,6 +1,5 @@
 """GPU: SparsePlan.run against the one-shot call (bitwise) and the fp32 reference; lists updated
-in place between runs and between CUDA-graph replays; out= written in place; host time printed
-(issue 27)."""
+in place between runs and between CUDA-graph replays; out= written in place; host time printed."""
 
 import importlib.util
 import statistics

@@ -283,7 +283,7 @@ VARLEN_PAGED_CASES = [("fa2", 16, 128), ("fa2", 64, 64), ("fa2", 256, 128), ("fa
                          ids=[f"{b}-page{p}-block{s}" for b, p, s in VARLEN_PAGED_CASES])
 @pytest.mark.parametrize("num_splits", [1, 0], ids=["nosplit", "auto-splits"])
 def test_varlen_paged_sparse_with_out_equals_contiguous_varlen(backend, page_size, block_size, num_splits):
-    """The engine-shaped call (vLLM: cu_seqlens_q, a page table and out= in one call; issue 27):
+    """The engine-shaped call (vLLM: cu_seqlens_q, a page table and out= in one call):
     ragged queries mixing a prefill chunk, decode rows and an empty sequence, over permuted pages
     (unused pages NaN, unused table entries -1), with per-(sequence, K/V head) lists: bitwise the
     contiguous varlen call, and within tolerance of the fp64 oracle per sequence. FA-3 takes the

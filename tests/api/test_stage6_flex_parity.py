@@ -1,4 +1,4 @@
-"""Stage 6 (GPU, issue 4): our sparse forward against FlexAttention given the same BlockMask, and
+"""Stage 6 (GPU): our sparse forward against FlexAttention given the same BlockMask, and
 one CUDA graph that builds the block lists on the device and runs the sparse forward with them.
 
 FlexAttention parity. Random per-(batch, K/V head, query tile) lists (permuted, gapped, the

@@ -1,4 +1,4 @@
-"""Issue 28, deliverable 4: a narrowed (dev) flash_attn wheel says what it lacks.
+"""A narrowed (dev) flash_attn wheel says what it lacks.
 
 The patched flash_attn_interface (patch flash-attn/0006 + overlay flash_attn/build_profile.py) is
 imported from the materialized tree in a child interpreter (its torch custom ops must not meet an

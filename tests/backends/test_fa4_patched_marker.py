@@ -1,4 +1,4 @@
-"""Issue 28, defect 4: only flash-attn-4 with this series' stage-4 patches may serve backend="fa4".
+"""Only flash-attn-4 with this series' stage-4 patches may serve backend="fa4".
 
 CPU: the marker module patches/flash-attn-4/0008 adds is in the patched tree and not in the
 pristine sdist; the FA-2 wheel's [hopper] extra pins the patched wheel's local label when built

@@ -33,7 +33,7 @@ def test_batched_lists_pass_as_views_with_a_broadcast_zero_mask_count(monkeypatc
     """Batched tables reach flash-attn-4 as views (no copy, no launch: its patched SM90 kernel reads
     bad counts, out-of-range ids and a tail block anywhere itself, test_bad_lists_skip_like_fa2),
     trimmed to the query tiles of the call; calls without mask lists share one zero count, viewed
-    with the full lists' shape (issue 28 defect 1: a (1, 1, 1) count beside several query tiles
+    with the full lists' shape (a (1, 1, 1) count beside several query tiles
     failed flash-attn-4's "must share the same m-block dimension"; defect 2: beside per-query-head
     GQA lists it made flash-attn-4 pack the heads, "head dim must be 4 or 1")."""
     cnt = torch.randint(0, 9, (2, 3, 5), dtype=torch.int32)
@@ -209,7 +209,7 @@ def test_batched_matches_reference_and_fa2(dtype, head_dim, causal, table_heads,
     (16, 16, 4, 16),     # ... and at decode
 ], ids=["prefill-per-tile", "gqa-per-query-head-prefill", "gqa-per-query-head-decode"])
 def test_full_lists_only_per_tile_and_per_query_head(backend, seqlen_q, heads, heads_k, table_heads):
-    """Issue 28 defects 1 and 2: lists per (batch, head, query tile) with no mask lists ran into
+    """Lists per (batch, head, query tile) with no mask lists ran into
     flash-attn-4's own ValueErrors (m-block dims; GQA head dim) on fa4 and auto."""
     _needs_fa4()
     g = torch.Generator(device="cuda").manual_seed(seqlen_q + heads)

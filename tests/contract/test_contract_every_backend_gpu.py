@@ -1,4 +1,4 @@
-"""GPU: the sparse contract over every backend present (issue 26), one suite through the public
+"""GPU: the sparse contract over every backend present, one suite through the public
 API with backend="fa2", "fa3" or "fa4": permuted and gapped lists with V distinct per block, the
 partial tail block anywhere, empty lists, per-query-head / per-K/V-head / shared tables, causal
 mask blocks, forced splits, varlen with ragged and empty sequences, block-CSR input, the
@@ -112,7 +112,7 @@ def test_varlen_with_ragged_and_empty_sequences(backend, table, causal):
 @pytest.mark.parametrize("table", ["per_kv_head", "per_q_head"])
 def test_block_csr_lists_converted_on_the_device(backend, table):
     """FlashInfer-style block-CSR rows (batch, table head, query tile), permuted and gapped, some
-    empty, converted by blocks_from_csr on the GPU (issue 27): the lists it gives run as listed."""
+    empty, converted by blocks_from_csr on the GPU: the lists it gives run as listed."""
     batch, seqlen_q, seqlen_k, n_blocks, m_blocks = 2, 256, 1000, 8, 2
     q, k, v = make_qkv(batch, seqlen_q, seqlen_k, H, HK, D, torch.bfloat16, seed=9 + TABLES[table])
     g = torch.Generator().manual_seed(TABLES[table])

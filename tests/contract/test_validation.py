@@ -296,7 +296,7 @@ def test_speculative_one_launch_conditions(monkeypatch, change, refused_by):
     ("choose_num_splits_for", ["q", "k", "v", "blocks"]),
 ])
 def test_entry_points_take_options_by_keyword_only(entry, positional):
-    """The tensors and the lists by position, every option by keyword (issue 25)."""
+    """The tensors and the lists by position, every option by keyword."""
     import inspect
     parameters = inspect.signature(getattr(fas, entry)).parameters.values()
     assert [p.name for p in parameters if p.kind == p.POSITIONAL_OR_KEYWORD] == positional

@@ -1,6 +1,6 @@
 """The import graphs of python/flash_attn_sparse and python/forktools (every import statement,
 module level or inside a function) have no cycle, and no module of python/flash_attn_sparse/
-grows past ~400 lines (issue 25)."""
+grows past ~400 lines."""
 
 import ast
 from pathlib import Path
