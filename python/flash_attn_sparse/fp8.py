@@ -141,6 +141,8 @@ def quantize_q(q: Tensor, heads_k: int, cu_seqlens_q: Optional[Tensor] = None, b
     work = torch.bfloat16 if q.dtype == torch.bfloat16 else torch.float32
     view = (q.shape[0], 1, heads_k, 1, 1) if not varlen else (1, heads_k, 1, 1)
     scaled = grouped * scale.to(work).view(view)
+    # NaN explicitly: some torch releases saturate +-inf to +-448 when casting to e4m3fn.
+    scaled = scaled.masked_fill(~torch.isfinite(scaled), float("nan"))
     if out is None:
         q_e4m3 = scaled.to(FP8_DTYPE, memory_format=torch.contiguous_format).flatten(-3, -2)
         rows = scale.reciprocal()
