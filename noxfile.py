@@ -60,7 +60,8 @@ def check_patches(session: nox.Session) -> None:
 
 @nox.session
 def build(session: nox.Session) -> None:
-    """Fetch, verify, patch, build, then install flash_attn, flash_attn_3, flash_attn_4 (FLASH_ATTN_SPARSE_PROFILE / _ARCH / _JOBS)."""
+    """Fetch, verify, patch, build, then install flash_attn, flash_attn_3, flash_attn_4
+    (FLASH_ATTN_SPARSE_PROFILE / _ARCH / _JOBS / _FP8)."""
     _forktools(session, "build", "--install")
 
 

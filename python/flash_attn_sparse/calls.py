@@ -12,26 +12,30 @@ from torch import Tensor
 from .backends import BACKENDS
 from .backends.device import MAX_SPLITS
 from .backends.fa2_ops import head_dim_refusal
+from .fp8 import FP8_DTYPE, call_descales
 from .metadata import BLOCK_SIZES, SparseBlocks, cdiv, exhaustive_validation_requested, fail, validate_block_contents, validate_blocks
 from .options import CallOptions
 
 BlockTable = Union[Tensor, SparseBlocks]
 BACKEND_NAMES = ("auto",) + tuple(BACKENDS)
+DTYPES = (torch.float16, torch.bfloat16, FP8_DTYPE)
 
 
 def _check_qkv(q: Tensor, k: Tensor, v: Tensor, varlen: bool, paged: bool = False) -> Tuple[Tensor, Tensor, Tensor]:
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, Tensor):
             fail(name, f"must be a tensor, got {type(t).__name__}")
-        if t.dtype not in (torch.float16, torch.bfloat16):
-            fail(name, f"must be float16 or bfloat16, got {t.dtype}")
+        if t.dtype not in DTYPES:
+            fail(name, f"must be float16, bfloat16 or float8_e4m3fn, got {t.dtype}")
         packed = varlen and not (paged and name != "q")  # a paged cache is 4-D in either layout
         if t.dim() != (3 if packed else 4):
             layout = ("(total, heads, head_dim)" if packed else "(num_pages, page_size, heads, head_dim)" if paged and name != "q"
                       else "(batch, seqlen, heads, head_dim)")
             fail(name, f"must be {layout}, got shape {tuple(t.shape)}")
-    if k.dtype != q.dtype or v.dtype != q.dtype:
-        fail("k", f"q, k and v must have the same dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
+    if k.dtype != q.dtype and k.dtype != FP8_DTYPE:  # e4m3 K/V take an e4m3 q, or a 16-bit one the package quantizes
+        fail("k", f"q, k and v must have the same dtype (or float8_e4m3fn k and v), got {q.dtype}, {k.dtype}, {v.dtype}")
+    if v.dtype != k.dtype:
+        fail("v", f"must have the dtype of k ({k.dtype}), got {v.dtype}")
     if k.shape != v.shape:
         fail("v", f"must have the shape of k {tuple(k.shape)}, got {tuple(v.shape)}")
     head_dim, heads, heads_k = q.shape[-1], q.shape[-2], k.shape[-2]
@@ -144,20 +148,22 @@ def require_cuda(q: Tensor) -> None:
         fail("q", f"must be on a CUDA device, got {q.device}")
 
 
-def check_out(out: Optional[Tensor], q: Tensor) -> None:
-    """out= of the entry points: a tensor like q (shape, dtype, device) with a contiguous last
-    dimension, which the forward overwrites."""
+def check_out(out: Optional[Tensor], q: Tensor, dtype: Optional[torch.dtype] = None) -> None:
+    """out= of the entry points: a tensor like q (shape, device; dtype: the call's out_dtype,
+    bfloat16 for FP8 calls, else q's) with a contiguous last dimension, which the forward overwrites."""
     if out is None:
         return
+    dtype = q.dtype if dtype is None else dtype
     if not isinstance(out, Tensor):
         fail("out", f"must be a tensor, got {type(out).__name__}")
-    if out.shape != q.shape or out.dtype != q.dtype or out.device != q.device:
-        fail("out", f"must be like q ({tuple(q.shape)}, {q.dtype}, {q.device}), got ({tuple(out.shape)}, {out.dtype}, {out.device})")
+    if out.shape != q.shape or out.dtype != dtype or out.device != q.device:
+        fail("out", f"must be like q ({tuple(q.shape)}, {dtype}, {q.device}), got ({tuple(out.shape)}, {out.dtype}, {out.device})")
     if out.numel() and out.stride(-1) != 1:
         fail("out", f"must have a contiguous last dimension, got strides {out.stride()}")
 
 
-TENSOR_FIELDS = ("q", "k", "v", "blocks", "cu_seqlens_q", "cu_seqlens_k", "seqused_k", "page_table")
+TENSOR_FIELDS = ("q", "k", "v", "blocks", "cu_seqlens_q", "cu_seqlens_k", "seqused_k", "page_table", "q_descale", "k_descale",
+                 "v_descale")
 
 
 def facts(t) -> tuple:
@@ -169,10 +175,13 @@ def facts(t) -> tuple:
 
 class SparseCall:
     """One validated sparse forward: every argument check of the entry points, and the shapes the
-    backends decide from (nothing here launches or syncs, unless validate="full" asks)."""
+    backends decide from (nothing here launches or syncs, unless validate="full" asks). FP8:
+    fp8 (float8_e4m3fn k and v), quantizes_q (a 16-bit q the backend quantizes), out_dtype, and
+    q_descale / k_descale / v_descale as float32 (batch, heads_k) tensors (fp8.call_descales)."""
 
     def __init__(self, q, k, v, blocks: SparseBlocks, options: CallOptions, *, cu_seqlens_q=None, cu_seqlens_k=None,
-                 max_seqlen_q=None, max_seqlen_k=None, seqused_k=None, page_table=None, table_name="sparse_block_table"):
+                 max_seqlen_q=None, max_seqlen_k=None, seqused_k=None, page_table=None, table_name="sparse_block_table",
+                 q_descale=None, k_descale=None, v_descale=None):
         varlen = cu_seqlens_q is not None or cu_seqlens_k is not None
         if not isinstance(options, CallOptions):
             raise TypeError(f"SparseCall takes its options as CallOptions, got {type(options).__name__}")
@@ -226,6 +235,10 @@ class SparseCall:
                 seqlens_k = seqused_k.tolist()
             validate_block_contents(blocks, causal=causal, seqlens_q=seqlens_q, seqlens_k=seqlens_k)
         self.scale = resolve_scale(options.softmax_scale, q.shape[-1])
+        self.q_descale, self.k_descale, self.v_descale = call_descales(q, k, batch, q_descale, k_descale, v_descale)
+        self.fp8 = k.dtype == FP8_DTYPE  # e4m3 K/V: FA-3 only, bfloat16 out
+        self.quantizes_q = self.fp8 and q.dtype != FP8_DTYPE  # a 16-bit q the backend quantizes per (sequence, K/V head)
+        self.out_dtype = torch.bfloat16 if self.fp8 else q.dtype
         require_cuda(q)  # last, so that every other check also runs (and is tested) on CPU tensors
         self.q, self.k, self.v, self.blocks = q, k, v, blocks
         self.batch, self.varlen = batch, varlen

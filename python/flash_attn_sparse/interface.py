@@ -12,6 +12,7 @@ from .backends import BACKENDS
 from .backends.device import MAX_SPLITS
 from .backends.fa2_ops import combine, head_dim_refusal, head_dim_rounded, partial_buffers
 from .calls import BlockTable, SparseCall, as_blocks, broadcast_batch, check_out, facts
+from .fp8 import Descale, normalize_descale, refuse_fp8
 from .metadata import SparseBlocks, exhaustive_validation_requested, fail
 from .options import CallOptions
 from .routing import choose
@@ -48,12 +49,18 @@ class _CachedCall:
         self.planned = BACKENDS[self.decision.backend].plan(call, self.decision.num_splits, out, keep_buffers=False)
         self.contiguous = call.q is not q or call.k is not k or call.v is not v
         self.batch = call.batch if not call.varlen and call.blocks is not blocks else None
+        self.descale_shape = (call.batch, call.k.shape[-2])
 
-    def run(self, q, k, v, blocks: SparseBlocks, out: Optional[Tensor], tensors: dict) -> Tuple[Tensor, Tensor]:
+    def run(self, q, k, v, blocks: SparseBlocks, out: Optional[Tensor], tensors: dict,
+            descales: Optional[dict] = None) -> Tuple[Tensor, Tensor]:
         if self.contiguous:
             q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
         if self.batch is not None:
             blocks = broadcast_batch(blocks, self.batch)
+        if descales is not None:  # each call's own, in the layout their facts (the key) planned
+            batch, heads_k = self.descale_shape
+            tensors = dict(tensors, **{name: None if value is None else normalize_descale(name, value, batch, heads_k, q.device)
+                                       for name, value in descales.items()})
         if logger.isEnabledFor(logging.DEBUG):
             self.decision.log()
         return self.planned.run_with(q, k, v, out, blocks, tensors)
@@ -73,13 +80,15 @@ def blocks_facts(b: SparseBlocks) -> tuple:
 
 
 def cache_key(q: Tensor, k: Tensor, v: Tensor, out: Optional[Tensor], blocks: SparseBlocks, options: CallOptions,
-              cu_seqlens_q, cu_seqlens_k, seqused_k, page_table, max_seqlens) -> tuple:
-    """The one-shot cache's key: the facts of every tensor of the call (out's too) and the
-    options, never their data. Written out flat, q, k and v inline: it runs on every cached call."""
+              cu_seqlens_q, cu_seqlens_k, seqused_k, page_table, max_seqlens, descales: Optional[dict] = None) -> tuple:
+    """The one-shot cache's key: the facts of every tensor of the call (out's too; a descale's
+    type where it is a number) and the options, never their data. Written out flat, q, k and v
+    inline: it runs on every cached call."""
     return (q.shape, q.stride(), q.dtype, q.device, k.shape, k.stride(), k.dtype, k.device,
             v.shape, v.stride(), v.dtype, v.device, None if out is None else facts(out), blocks_facts(blocks), options,
             None if cu_seqlens_q is None else facts(cu_seqlens_q), None if cu_seqlens_k is None else facts(cu_seqlens_k),
-            None if seqused_k is None else facts(seqused_k), None if page_table is None else facts(page_table), max_seqlens)
+            None if seqused_k is None else facts(seqused_k), None if page_table is None else facts(page_table), max_seqlens,
+            None if descales is None else tuple(facts(d) for d in descales.values()))
 
 
 CACHE_SIZE = 64
@@ -92,13 +101,19 @@ def run_cached(q, k, v, blocks: SparseBlocks, out: Optional[Tensor], options: Ca
                cu_seqlens_q: Optional[Tensor] = None, cu_seqlens_k: Optional[Tensor] = None,
                max_seqlen_q: Optional[int] = None, max_seqlen_k: Optional[int] = None,
                seqused_k: Optional[Tensor] = None, page_table: Optional[Tensor] = None,
-               table_name: str = "sparse_block_table") -> Tuple[Tensor, Tensor]:
-    """The one-shot forward through a cache of plans keyed on the tensors' facts (out's too) and
-    the options (never their data): a repeated shape skips validation, routing, the split choice
-    and the argument building, and launches through its Planned.run_with. Calls that ask for
-    exhaustive validation, are traced, or pass odd inputs are not cached."""
+               table_name: str = "sparse_block_table", q_descale: Optional[Descale] = None,
+               k_descale: Optional[Descale] = None, v_descale: Optional[Descale] = None) -> Tuple[Tensor, Tensor]:
+    """The one-shot forward through a cache of plans keyed on the tensors' facts (out's and the
+    FP8 descales' too) and the options (never their data): a repeated shape skips validation,
+    routing, the split choice and the argument building, and launches through its
+    Planned.run_with (each call's descales normalized and passed with its tensors). Calls that
+    ask for exhaustive validation, are traced, or pass odd inputs are not cached."""
     tensors = dict(cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, seqused_k=seqused_k, page_table=page_table)
     shapes = dict(max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, table_name=table_name)
+    descales = None
+    if q_descale is not None or k_descale is not None or v_descale is not None:
+        descales = dict(q_descale=q_descale, k_descale=k_descale, v_descale=v_descale)
+        shapes.update(descales)
     cacheable = (isinstance(q, Tensor) and isinstance(k, Tensor) and isinstance(v, Tensor)
                  and isinstance(blocks, SparseBlocks)
                  and (cu_seqlens_q is None or isinstance(cu_seqlens_q, Tensor))
@@ -108,27 +123,28 @@ def run_cached(q, k, v, blocks: SparseBlocks, out: Optional[Tensor], options: Ca
                  and not torch.compiler.is_compiling() and not exhaustive_validation_requested(options.validate))
     if not cacheable:
         call = SparseCall(q, k, v, blocks, options, **tensors, **shapes)
-        check_out(out, call.q)
+        check_out(out, call.q, call.out_dtype)
         return run(call, out)
     key = cache_key(q, k, v, out, blocks, options, cu_seqlens_q, cu_seqlens_k, seqused_k, page_table,
-                    (max_seqlen_q, max_seqlen_k))
+                    (max_seqlen_q, max_seqlen_k), descales)
     cached = one_shot_cache.get(key)
     if cached is None:
         call = SparseCall(q, k, v, blocks, options, **tensors, **shapes)
-        check_out(out, call.q)
+        check_out(out, call.q, call.out_dtype)
         cached = _CachedCall(call, q, k, v, blocks, out)
         if len(one_shot_cache) >= CACHE_SIZE:
             del one_shot_cache[next(iter(one_shot_cache))]
         one_shot_cache[key] = cached
-    return cached.run(q, k, v, blocks, out, tensors)
+    return cached.run(q, k, v, blocks, out, tensors, descales)
 
 
 def flash_attn_with_sparse_block_table(q: Tensor, k: Tensor, v: Tensor, sparse_block_table: BlockTable, *,
                                        block_size: int = 128, softmax_scale: Optional[float] = None,
                                        causal: bool = False, num_splits: int = 0, backend: str = "auto",
                                        validate: Optional[str] = None, seqused_k: Optional[Tensor] = None,
-                                       page_table: Optional[Tensor] = None,
-                                       out: Optional[Tensor] = None) -> Tuple[Tensor, Tensor]:
+                                       page_table: Optional[Tensor] = None, out: Optional[Tensor] = None,
+                                       q_descale: Optional[Descale] = None, k_descale: Optional[Descale] = None,
+                                       v_descale: Optional[Descale] = None) -> Tuple[Tensor, Tensor]:
     """Attention of q over the K/V blocks named by sparse_block_table. Returns (out, lse).
 
     q: (batch, seqlen_q, heads, head_dim); k, v: (batch, seqlen_k, heads_k, head_dim), fp16/bf16.
@@ -154,12 +170,20 @@ def flash_attn_with_sparse_block_table(q: Tensor, k: Tensor, v: Tensor, sparse_b
     split count, and the "flash_attn_sparse" logger says so at DEBUG.
     out: optional tensor like q (contiguous last dim) that receives the output (FA-4: by a copy).
     Repeated calls of one shape reuse the planning (run_cached); SparsePlan plans explicitly.
+    FP8 (fa3 on sm90 only, a flash_attn_3 built with FLASH_ATTN_SPARSE_FP8=1): k and v
+    float8_e4m3fn with k_descale and v_descale, and q float8_e4m3fn with q_descale, or float16 /
+    bfloat16 without one (quantized to e4m3 per (sequence, K/V head) by the package:
+    fp8.quantize_q). A descale is a float or a tensor of shape (batch, heads_k), or broadcast to
+    it from (), (1, 1), (batch, 1) or (1, heads_k) (any float dtype, made float32): the real
+    value is the stored e4m3 value x descale, query head h taking K/V head h // group's. Out is
+    bfloat16 (an out= must be), lse float32. auto runs FP8 calls on fa3 or refuses them.
     """
     blocks = as_blocks(sparse_block_table, block_size, q.shape[0] if isinstance(q, Tensor) and q.dim() == 4 else 1,
                         "sparse_block_table")
     options = CallOptions(causal=causal, softmax_scale=softmax_scale, num_splits=num_splits, backend=backend,
                           validate=validate)
-    return run_cached(q, k, v, blocks, out, options, seqused_k=seqused_k, page_table=page_table)
+    return run_cached(q, k, v, blocks, out, options, seqused_k=seqused_k, page_table=page_table, q_descale=q_descale,
+                      k_descale=k_descale, v_descale=v_descale)
 
 
 def flash_attn_varlen_with_sparse_blocks(q: Tensor, k: Tensor, v: Tensor, blocks: SparseBlocks, *, cu_seqlens_q: Tensor,
@@ -167,19 +191,24 @@ def flash_attn_varlen_with_sparse_blocks(q: Tensor, k: Tensor, v: Tensor, blocks
                                          softmax_scale: Optional[float] = None, causal: bool = False,
                                          num_splits: int = 0, backend: str = "auto", validate: Optional[str] = None,
                                          seqused_k: Optional[Tensor] = None, page_table: Optional[Tensor] = None,
-                                         out: Optional[Tensor] = None) -> Tuple[Tensor, Tensor]:
+                                         out: Optional[Tensor] = None, q_descale: Optional[Descale] = None,
+                                         k_descale: Optional[Descale] = None,
+                                         v_descale: Optional[Descale] = None) -> Tuple[Tensor, Tensor]:
     """Varlen form: q (total_q, heads, head_dim), k, v (total_k, heads_k, head_dim) packed by
     cu_seqlens; blocks in the varlen layout. Returns out like q and lse (heads, total_q).
     With page_table (batch, max_pages) k and v are paged caches (num_pages, page_size, heads_k,
     head_dim) as in flash_attn_with_sparse_block_table, and cu_seqlens_k counts each sequence's
     keys (its logical positions 0..n-1); max_seqlen_k <= max_pages * page_size (the engine-shaped
     call: ragged queries, a paged cache, sparse lists and out= in one call; FA-2 backend).
-    backend and out as in flash_attn_with_sparse_block_table."""
+    backend and out as in flash_attn_with_sparse_block_table. FP8 as there, batch being the
+    number of sequences (a descale entry per sequence and K/V head); a 16-bit q is quantized with
+    one scale per K/V head shared by every sequence."""
     options = CallOptions(causal=causal, softmax_scale=softmax_scale, num_splits=num_splits, backend=backend,
                           validate=validate)
     return run_cached(q, k, v, blocks, out, options, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
                       max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, seqused_k=seqused_k,
-                      page_table=page_table, table_name="blocks")
+                      page_table=page_table, table_name="blocks", q_descale=q_descale, k_descale=k_descale,
+                      v_descale=v_descale)
 
 
 def _call_to_choose_for(q, k, v, blocks: BlockTable, block_size: int, *, causal: bool = False,
@@ -206,8 +235,8 @@ def choose_backend(q: Tensor, k: Tensor, v: Tensor, blocks: BlockTable, *, block
                    num_splits: int = 0, backend: str = "auto", **options) -> Tuple[str, str]:
     """(backend, why) that flash_attn_with_sparse_block_table would use for these arguments, or,
     given cu_seqlens_q, cu_seqlens_k, max_seqlen_q and max_seqlen_k as keywords,
-    flash_attn_varlen_with_sparse_blocks. options also takes causal, softmax_scale, seqused_k and
-    page_table. The answer holds eagerly and inside a CUDA-graph capture alike. Never syncs."""
+    flash_attn_varlen_with_sparse_blocks. options also takes causal, softmax_scale, seqused_k,
+    page_table and the FP8 descales. The answer holds eagerly and inside a CUDA-graph capture alike. Never syncs."""
     return choose(_call_to_choose_for(q, k, v, blocks, block_size, num_splits=num_splits, backend=backend, **options))
 
 
@@ -220,7 +249,8 @@ def flash_attn_sparse_partials(q: Tensor, k: Tensor, v: Tensor, block_groups: Se
     seqlen_q, head_dim_rounded) fp32 and lse_partials (G, batch, heads, seqlen_q) fp32, in the
     layout flash_attn_combine takes. Groups should be disjoint for the merge to be attention
     over their union. seqused_k and page_table (paged K/V caches) as in
-    flash_attn_with_sparse_block_table."""
+    flash_attn_with_sparse_block_table. Not yet for FP8 inputs (refused)."""
+    refuse_fp8("flash_attn_sparse_partials", q=q, k=k, v=v)
     if not isinstance(block_groups, (list, tuple)) or not block_groups:
         fail("block_groups", "must be a non-empty list of block tables")
     if len(block_groups) > MAX_SPLITS:

@@ -65,6 +65,21 @@ def attention_over_blocks(q: Tensor, k: Tensor, v: Tensor, blocks: Sequence[int]
     return attention_ref(q, k_sel, v_sel, visible, softmax_scale, dtype)
 
 
+def dequantize(x: Tensor, descale: Tensor, cu_seqlens: Optional[Tensor] = None,
+               dtype: torch.dtype = torch.float32) -> Tensor:
+    """The real values of an FP8 (float8_e4m3fn) tensor: x (batch, seqlen, heads_x, dim), or
+    varlen (total, heads_x, dim) with cu_seqlens, times descale (batch, heads_k) float32 per
+    (sequence, K/V head); head h of x takes descale column h // (heads_x // heads_k), so q's query
+    heads share their K/V head's entry. Computed in `dtype`."""
+    heads_x, heads_k = x.shape[-2], descale.shape[-1]
+    per_head = descale.to(dtype).repeat_interleave(heads_x // heads_k, dim=1)  # (batch, heads_x)
+    if x.dim() == 4:
+        return x.to(dtype) * per_head[:, None, :, None]
+    lengths = (cu_seqlens[1:] - cu_seqlens[:-1]).long()
+    sequence_of_row = torch.repeat_interleave(torch.arange(lengths.numel(), device=x.device), lengths)
+    return x.to(dtype) * per_head[sequence_of_row][:, :, None]
+
+
 def combine_ref(out_partials: Tensor, lse_partials: Tensor) -> Tuple[Tensor, Tensor]:
     """Exact merge of k partials: out (k, ..., seqlen_q, heads, dim), lse (k, ..., heads, seqlen_q).
 

@@ -4,8 +4,9 @@ capture and under torch.compile, so a call validated eagerly runs the same kerne
 
 | GPU | call | backend |
 |---|---|---|
+| sm90 + flash_attn_3 built with FP8 | float8_e4m3fn K/V that FA-3 takes (else refused: no other backend has FP8 kernels) | fa3 |
 | sm90 + flash_attn_3 | FA-3 takes it, K/V contiguous without seqused_k; >= 128 query rows per sequence, or it packs GQA query heads | fa3 |
-| any | every other call | fa2 |
+| any | every other (16-bit) call | fa2 |
 
 Paged and seqused_k calls stay on FA-2 until FA-3's paged path is timed against it (backend="fa3"
 runs them on FA-3).
@@ -32,6 +33,11 @@ def choose(call: SparseCall) -> Tuple[str, str]:
         if reason := BACKENDS[name].refusal(call):
             fail("backend", f"'{name}' cannot run this call: {reason}")
         return name, "requested"
+    if call.fp8:
+        if refusal := BACKENDS["fa3"].refusal(call):
+            fail("backend", f"no backend runs this FP8 call: 'fa3' is the only one with FP8 (float8_e4m3fn) kernels "
+                            f"and cannot: {refusal}")
+        return "fa3", "FP8 K/V: FA-3 is the only backend with FP8 kernels (auto's rule)"
     reason = fa3_reason(call)
     if reason:
         return "fa3", reason

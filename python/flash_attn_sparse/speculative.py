@@ -9,6 +9,7 @@ from torch import Tensor
 from .backends.device import MAX_SPLITS
 from .backends.fa2_ops import combine, head_dim_rounded, partial_buffers
 from .calls import BlockTable, SparseCall, as_blocks, check_out
+from .fp8 import refuse_fp8
 from .interface import partials_backend, run
 from .metadata import SparseBlocks, cdiv, exhaustive_validation_requested, fail, int_range, validate_block_contents
 from .options import CallOptions
@@ -61,7 +62,8 @@ def flash_attn_speculative_sparse(q: Tensor, k_spec: Tensor, v_spec: Tensor, k: 
     from k_spec / v_spec. Otherwise two passes write fp32 partials into one buffer (FA-2's
     kernels) and the sparse combine kernel merges them. The same attention every way.
     out: as in flash_attn_with_sparse_block_table (written in place by the one-launch form on
-    FA-2, filled by a copy otherwise)."""
+    FA-2, filled by a copy otherwise). Not yet for FP8 inputs (refused)."""
+    refuse_fp8("flash_attn_speculative_sparse", q=q, k=k, v=v, k_spec=k_spec, v_spec=v_spec)
     batch = q.shape[0] if isinstance(q, Tensor) and q.dim() == 4 else 1
     missed = as_blocks(sparse_block_table, block_size, batch, "sparse_block_table")
     if not isinstance(k_spec, Tensor) or k_spec.dim() != 4:
@@ -159,7 +161,8 @@ def flash_attn_speculative_sparse_zero_copy(q: Tensor, k: Tensor, v: Tensor, spe
     set another ("full" blocks). One pass over both lists gives attention over their union.
     Both tables are 1-D int32 block-id tensors shared by every batch, head and query row.
     backend and out as in flash_attn_with_sparse_block_table: backend="fa4" runs it
-    there as the union pass does."""
+    there as the union pass does. Not yet for FP8 inputs (refused)."""
+    refuse_fp8("flash_attn_speculative_sparse_zero_copy", q=q, k=k, v=v)
     batch = q.shape[0] if isinstance(q, Tensor) and q.dim() == 4 else 1
     for name, t in (("spec_block_table", spec_block_table), ("missed_block_table", missed_block_table)):
         if not isinstance(t, Tensor) or t.dtype != torch.int32 or t.dim() != 1:

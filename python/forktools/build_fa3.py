@@ -17,8 +17,10 @@ Profiles (the FLASH_ATTENTION_DISABLE_* variables of hopper/setup.py, patch flas
   (those two for sm90a alone: SM80 is off),
   and the sparse path (patches flash-attn-3/0002-0003): DEV_SPARSE_KERNELS (20 units, written by
   setup.py from generate_kernels_sparse.py) + flash_api_sparse.cpp, and cuda_driver_entry_points.cpp
-  (patch flash-attn-3/0010): 37 units in all.
+  (patch flash-attn-3/0011): 37 units in all.
 - full: upstream's FA-3 matrix.
+FLASH_ATTN_SPARSE_FP8=1 keeps the FP8 (e4m3) kernels in the dev profile, dense and sparse
+(DEV_FP8_KERNELS, 16 more units); the label then names the profile `dev.fp8`.
 """
 
 from __future__ import annotations
@@ -52,7 +54,28 @@ DEV_KERNELS = [f"flash_fwd_hdim{d}_{t}{kind}_sm90.cu"
 DEV_SPARSE_KERNELS = [f"flash_fwd_hdim{d}_{t}{packgqa}{split}{rows}_sparse_sm90.cu" for t in ("fp16", "bf16")
                       for d in (64, 128) for packgqa in ("", "_packgqa") for split in ("", "_split")
                       for rows in ("", "_m64") if not rows or (packgqa and split)]
+# FLASH_ATTN_SPARSE_FP8=1 adds these to the dev profile: upstream's FP8 kernels (the dense peer) and the sparse ones.
+DEV_FP8_KERNELS = ([f"flash_fwd_hdim{d}_e4m3{kind}_sm90.cu" for d in (64, 128) for kind in ("", "_split", "_packgqa")]
+                   + [name.replace("_bf16", "_e4m3") for name in DEV_SPARSE_KERNELS if "_bf16" in name])
 PROFILES = {"dev": {f"FLASH_ATTENTION_DISABLE_{flag}": "TRUE" for flag in DEV_OFF}, "full": {}}
+FP8_OPTION = "FLASH_ATTN_SPARSE_FP8"  # "1": the dev profile keeps the FP8 kernels
+
+
+def _dev_with_fp8(profile: str) -> bool:
+    return profile == "dev" and os.environ.get(FP8_OPTION, "") == "1"
+
+
+def profile_env(profile: str) -> dict:
+    """The DISABLE flags setup.py builds `profile` under (FP8_OPTION lifts dev's FP8 one)."""
+    env = dict(PROFILES[profile])
+    if _dev_with_fp8(profile):
+        del env["FLASH_ATTENTION_DISABLE_FP8"]
+    return env
+
+
+def profile_name(profile: str) -> str:
+    """The profile as the label names it: `dev.fp8` for dev with FP8_OPTION."""
+    return f"{profile}.fp8" if _dev_with_fp8(profile) else profile
 
 
 def wheel_glob(label: str) -> str:
@@ -70,7 +93,8 @@ def default_jobs(jobs: int | None, beside_fa2: bool = False) -> int:
 def version_label(layout: Layout, profile: str = "dev", mutations: list[Path] = ()) -> str:
     """The wheel's `+sparse.<hash>.<profile>[.mutant]`: the hash of the lock, the FA-3 patches and
     overlay, the profile and arch (not python/: a Python-only change reuses the wheel)."""
-    label = f"sparse.{source_hash(layout, profile, ['90a'], mutations, name=UPSTREAM)}.{profile}"
+    name = profile_name(profile)
+    label = f"sparse.{source_hash(layout, name, ['90a'], mutations, name=UPSTREAM)}.{name}"
     return label + (".mutant" if mutations else "")
 
 
@@ -107,13 +131,13 @@ def build(layout: Layout, profile: str = "dev", jobs: int | None = None, reuse: 
     for mutation in mutations:
         patchfile.apply_diff(patchfile.split_description(Path(mutation).read_bytes()), stage, str(mutation))
         print(f"build fa3: applied mutation {mutation}", flush=True)
-    env = {**os.environ, **PROFILES[profile], **tools.env(),
+    env = {**os.environ, **profile_env(profile), **tools.env(),
            "FLASH_ATTENTION_FORCE_BUILD": "TRUE", "FLASH_ATTN_LOCAL_VERSION": label,
            "MAX_JOBS": str(default_jobs(jobs, beside_fa2)), "NVCC_THREADS": os.environ.get("NVCC_THREADS", "1")}
     dist.mkdir(exist_ok=True)
     log_path = layout.root / "build" / "logs" / f"build-fa3-{profile}.log"
     log_path.parent.mkdir(parents=True, exist_ok=True)
-    print(f"build fa3: {profile} profile, sm90a, {env['MAX_JOBS']} jobs, version label {label}", flush=True)
+    print(f"build fa3: {profile_name(profile)} profile, sm90a, {env['MAX_JOBS']} jobs, version label {label}", flush=True)
     start, ninja_before = time.monotonic(), ninja_log_lengths(stage)
     returncode = run_with_progress(pip_wheel_command(dist), stage / "hopper", env, log_path, prefix="fa3 ",
                                    on_start=on_start)

@@ -135,7 +135,7 @@ def test_fa3_run_with_takes_the_op_fwd_outs_tensors_and_an_lse():
     """SparseForward.run_with (the one-shot launcher's call) names q, k, v, out and then fwd_out's
     list and offset tensors in fwd_out's order, then fwd_out's max_seqlen_q and max_seqlen_k (the
     new cu_seqlens' bound), an optional softmax_lse (default None: a new one), and last fwd_out's
-    seqused_k and page_table."""
+    seqused_k, page_table and FP8 descales."""
     text = FA3_HOST.read_text()
     body = text[text.index('.def("run_with"'):]
     names = re.findall(r'py::arg\("(\w+)"\)', body[:body.index(");")])
@@ -143,9 +143,9 @@ def test_fa3_run_with_takes_the_op_fwd_outs_tensors_and_an_lse():
     assert tensors[-1] == "cu_seqlens_k"
     maxima = [n for n in _fa3_schema_names("fwd_out") if n.startswith("max_seqlen")]
     assert maxima == ["max_seqlen_q", "max_seqlen_k"]
-    paged = _fa3_schema_names("fwd_out")[-2:]
-    assert paged == ["seqused_k", "page_table"]
-    assert names == ["q", "k", "v", "out"] + tensors + maxima + ["softmax_lse"] + paged
+    last = _fa3_schema_names("fwd_out")[-5:]
+    assert last == ["seqused_k", "page_table", "q_descale", "k_descale", "v_descale"]
+    assert names == ["q", "k", "v", "out"] + tensors + maxima + ["softmax_lse"] + last
     assert 'py::arg("softmax_lse") = py::none()' in body[:body.index(");")]
 
 

@@ -81,16 +81,22 @@ def patched_hopper(tmp_path_factory) -> Path:
     return scratch / "flash-attn-3" / "hopper"
 
 
-def test_dev_kernels_are_what_the_patched_setup_compiles(patched_hopper: Path, tmp_path, monkeypatch):
-    """The source list of hopper/setup.py (patches flash-attn-3/0001, 0003, 0010) under the dev
-    variables, by running its list-building lines: 12 dense kernel units, the 20 sparse units it
+@pytest.mark.parametrize("fp8", [False, True])
+def test_dev_kernels_are_what_the_patched_setup_compiles(patched_hopper: Path, tmp_path, monkeypatch, fp8: bool):
+    """The source list of hopper/setup.py (patches flash-attn-3/0001, 0003, 0008, 0011) under the
+    dev variables, by running its list-building lines: 12 dense kernel units, the 20 sparse units it
     writes from generate_kernels_sparse.py (here into tmp_path), flash_api and flash_api_sparse,
-    combine and scheduler, and the driver entry points CUTLASS's TMA descriptors call (0010)."""
+    combine and scheduler, and the driver entry points CUTLASS's TMA descriptors call (0011); with
+    FLASH_ATTN_SPARSE_FP8=1 also the 6 dense and 10 sparse e4m3 units (0008)."""
     hopper = patched_hopper
     text = (hopper / "setup.py").read_text()
     flags = "".join(line + "\n" for line in text.splitlines() if re.match(r"(DISABLE_\w+|USE_SYSTEM_NVCC) = ", line))
     body = text[text.index("    DTYPE_FWD_SM80"):text.index("    nvcc_flags = [")]
-    environ = {f"FLASH_ATTENTION_DISABLE_{flag}": "TRUE" for flag in build_fa3.DEV_OFF}
+    if fp8:
+        monkeypatch.setenv(build_fa3.FP8_OPTION, "1")
+    else:
+        monkeypatch.delenv(build_fa3.FP8_OPTION, raising=False)
+    environ = build_fa3.profile_env("dev")
     shutil.copy(hopper / "generate_kernels_sparse.py", tmp_path)
     (tmp_path / "instantiations").mkdir()
     monkeypatch.setattr("sys.path", list(sys.path))
@@ -100,12 +106,28 @@ def test_dev_kernels_are_what_the_patched_setup_compiles(patched_hopper: Path, t
     exec("import itertools\n" + flags, scope)  # noqa: S102 -- runs setup.py's own list-building lines
     exec("import itertools\n" + "\n".join(line[4:] for line in body.splitlines()), scope)  # noqa: S102 -- runs setup.py's own list-building lines
     kernels = sorted(Path(s).name for s in scope["sources"] if s.startswith("instantiations/"))
-    assert kernels == sorted(build_fa3.DEV_KERNELS + build_fa3.DEV_SPARSE_KERNELS)
-    assert len(kernels) == 32
-    assert sorted(p.name for p in (tmp_path / "instantiations").iterdir()) == sorted(build_fa3.DEV_SPARSE_KERNELS)
+    fp8_kernels = build_fa3.DEV_FP8_KERNELS if fp8 else []
+    assert kernels == sorted(build_fa3.DEV_KERNELS + build_fa3.DEV_SPARSE_KERNELS + fp8_kernels)
+    assert len(kernels) == (48 if fp8 else 32)
+    written = sorted(p.name for p in (tmp_path / "instantiations").iterdir())
+    assert written == sorted(build_fa3.DEV_SPARSE_KERNELS + [k for k in fp8_kernels if k.endswith("_sparse_sm90.cu")])
     assert set(scope["sources"]) - {f"instantiations/{k}" for k in kernels} == {
         "flash_api.cpp", "flash_api_sparse.cpp", "flash_fwd_combine.cu", "flash_prepare_scheduler.cu",
         "cuda_driver_entry_points.cpp"}
+
+
+def test_the_fp8_option_keeps_dev_s_fp8_kernels_under_a_label_of_their_own(monkeypatch):
+    """FLASH_ATTN_SPARSE_FP8=1 lifts only dev's FP8 flag and names the profile dev.fp8, so an FP8
+    wheel is never taken for a plain dev one (or the reverse); the full profile already has FP8."""
+    monkeypatch.delenv(build_fa3.FP8_OPTION, raising=False)
+    plain = build_fa3.profile_env("dev")
+    assert plain["FLASH_ATTENTION_DISABLE_FP8"] == "TRUE" and build_fa3.profile_name("dev") == "dev"
+    monkeypatch.setenv(build_fa3.FP8_OPTION, "1")
+    with_fp8 = build_fa3.profile_env("dev")
+    assert set(plain) - set(with_fp8) == {"FLASH_ATTENTION_DISABLE_FP8"} and set(with_fp8) < set(plain)
+    assert build_fa3.profile_name("dev") == "dev.fp8"
+    assert build_fa3.profile_name("full") == "full" and build_fa3.profile_env("full") == {}
+    assert build_fa3.PROFILES["dev"]["FLASH_ATTENTION_DISABLE_FP8"] == "TRUE"  # profile_env copies, never edits
 
 
 @pytest.mark.parametrize("sm80_off", [True, False])

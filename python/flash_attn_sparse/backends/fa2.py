@@ -116,10 +116,15 @@ def op_args(call, splits: int) -> dict:
 
 # --- the backend protocol (backends/__init__.py) ----------------------------------------------
 
+FP8_REFUSAL = "FA-2 has no FP8 (float8_e4m3fn) kernels; FP8 K/V runs on backend='fa3' (sm90)"
+
+
 def refusal(call) -> Optional[str]:
-    """FA-2 runs every validated call (a head dim outside the build is refused by op_args), but a
-    second K/V source for the mask lists (the speculative one-launch form) needs blocks of at
-    least one kernel tile, which the kernel reads from one source."""
+    """FA-2 runs every validated 16-bit call (a head dim outside the build is refused by op_args),
+    but a second K/V source for the mask lists (the speculative one-launch form) needs blocks of
+    at least one kernel tile, which the kernel reads from one source."""
+    if call.fp8:
+        return FP8_REFUSAL
     if call.mask_source is not None and call.blocks.block_size < tile_n(call.q.shape[-1], decode=False):
         return f"block size {call.blocks.block_size} is below the kernel tile at head dim {call.q.shape[-1]}"
     return None

@@ -8,6 +8,10 @@ mask lists (the speculative one-launch form), which the op does not take.
 
 Paged calls pass the page table and seqused_k and no cu_seqlens_k (the op's paged layout, as
 upstream's): a varlen paged call's key counts are its seqused_k, which fa3_ops.refusal asks for.
+
+FP8 (float8_e4m3fn K/V) calls pass their descales to the op, which writes a bfloat16 out. The op
+takes e4m3 q, k and v alike, so a 16-bit q is quantized first (fp8.quantize_q, torch ops on the
+GPU) and planned over an e4m3 q and q_descale laid out as quantize_q writes them.
 """
 
 from typing import Optional, Tuple
@@ -15,6 +19,7 @@ from typing import Optional, Tuple
 import torch
 from torch import Tensor
 
+from ..fp8 import descale_of_rows, quantize_q, quantized_q_buffers
 from . import fa3_ops
 from .device import for_run_with, graph_launch_option
 from .protocol import Traits
@@ -54,24 +59,43 @@ def _key_offsets(tensors: dict) -> Optional[Tensor]:
 
 
 def _list_args(blocks, tensors: dict) -> dict:
-    """The lists, offsets, sequence lengths and page table, by the op's (and the extension's)
-    argument names; tensors: the call's cu_seqlens_q, cu_seqlens_k, seqused_k and page_table."""
+    """The lists, offsets, sequence lengths, page table and FP8 descales, by the op's (and the
+    extension's) argument names; tensors: the call's cu_seqlens_q, cu_seqlens_k, seqused_k,
+    page_table and, for e4m3 q/k/v, q_descale, k_descale and v_descale."""
     return dict(full_cnt=blocks.full_cnt, full_idx=blocks.full_idx, mask_cnt=blocks.mask_cnt, mask_idx=blocks.mask_idx,
                 cu_total_m_blocks=blocks.cu_total_m_blocks, cu_block_idx_offsets=blocks.cu_block_idx_offsets,
                 cu_seqlens_q=tensors.get("cu_seqlens_q"), cu_seqlens_k=_key_offsets(tensors),
-                seqused_k=tensors.get("seqused_k"), page_table=tensors.get("page_table"))
+                seqused_k=tensors.get("seqused_k"), page_table=tensors.get("page_table"),
+                q_descale=tensors.get("q_descale"), k_descale=tensors.get("k_descale"), v_descale=tensors.get("v_descale"))
 
 
-def _call_tensors(call) -> dict:
-    """The call's sequence-length and page tensors, by name (cu_seqlens_* under varlen only)."""
+def _call_tensors(call, q_descale: Optional[Tensor] = None) -> dict:
+    """The call's sequence-length, page and descale tensors, by name (cu_seqlens_* under varlen
+    only); q_descale: the one computed for a q the backend quantizes."""
     varlen = call.varlen
     return dict(cu_seqlens_q=call.cu_seqlens_q if varlen else None, cu_seqlens_k=call.cu_seqlens_k if varlen else None,
-                seqused_k=call.seqused_k, page_table=call.page_table)
+                seqused_k=call.seqused_k, page_table=call.page_table,
+                q_descale=call.q_descale if q_descale is None else q_descale, k_descale=call.k_descale,
+                v_descale=call.v_descale)
 
 
-def _call_args(call, splits: int) -> dict:
+def _call_args(call, splits: int, q_descale: Optional[Tensor] = None) -> dict:
     """Every argument of the op but q, k, v and out, for this call."""
-    return dict(_list_args(call.effective_blocks(), _call_tensors(call)), **_bound_args(call, splits))
+    return dict(_list_args(call.effective_blocks(), _call_tensors(call, q_descale)), **_bound_args(call, splits))
+
+
+def _new_out(q: Tensor, dtype: torch.dtype) -> Tensor:
+    """An output like q in the call's out dtype (bfloat16 for FP8 calls)."""
+    return torch.empty_like(q, dtype=dtype)
+
+
+def _launch_q(call, q_buffers: Optional[Tuple[Tensor, Tensor]] = None) -> Tuple[Tensor, Optional[Tensor]]:
+    """(q, q_descale) a plan of this call is made over: the call's q and None, or for a q the
+    backend quantizes e4m3 buffers laid out as quantize_q writes them (q_buffers, else new ones)."""
+    if not call.quantizes_q:
+        return call.q, None
+    q_e4m3, rows = q_buffers or quantized_q_buffers(call.q, call.k.shape[-2], call.batch)
+    return q_e4m3, descale_of_rows(rows, call.batch)
 
 
 def plan(call, splits: int, out: Optional[Tensor], keep_buffers: bool = True) -> "Planned":
@@ -90,26 +114,45 @@ class Planned:
 
     def __init__(self, call, splits: int, out: Optional[Tensor], keep_buffers: bool):
         self._bound = _bound_args(call, splits)
+        self._out_dtype = call.out_dtype
+        # A q the backend quantizes: each run writes it into the plan's own e4m3 buffers, which
+        # the planned forward reads; a one-shot plan quantizes into new tensors per call.
+        self._quantizes = (call.k.shape[-2], call.batch) if call.quantizes_q else None
+        buffers = quantized_q_buffers(call.q, *self._quantizes) if self._quantizes else None
+        self._q_buffers = buffers if keep_buffers else None
+        q_descale = _launch_q(call, buffers)[1]
         # A plan keeps its lists (the caller's, updated in place); a one-shot plan keeps no tensor.
-        self._lists = _list_args(call.effective_blocks(), _call_tensors(call)) if keep_buffers else None
+        self._lists = _list_args(call.effective_blocks(), _call_tensors(call, q_descale)) if keep_buffers else None
         self._direct = fa3_ops.direct() or fa3_ops.op_out()  # both take fwd_out's arguments by name
-        forward = planned(call, splits, torch.empty_like(call.q) if out is None else out)
+        forward = planned(call, splits, _new_out(call.q, call.out_dtype) if out is None else out, q_buffers=buffers)
         self._forward = forward if keep_buffers else for_run_with(forward)
-        self.checks_facts = forward is not None
+        # The extension compares what it launches with the planned tensors; a quantized q always
+        # matches, so a caller's 16-bit q is compared by the caller (SparsePlan) instead.
+        self.checks_facts = forward is not None and not call.quantizes_q
         # run_with's bound on new cu_seqlens' sequences: the planned call's (callers key plans on it).
         self._max_seqlens = (call.max_seqlen_q, call.max_seqlen_k) if call.varlen else (None, None)
 
+    def _quantized(self, q: Tensor) -> Tuple[Tensor, Optional[Tensor]]:
+        """(the q to launch, its computed q_descale or None): q as it is, or quantized."""
+        if self._quantizes is None:
+            return q, None
+        heads_k, batch = self._quantizes
+        return quantize_q(q, heads_k, batch=batch, out=self._q_buffers)
+
     def run(self, q: Tensor, k: Tensor, v: Tensor, out: Tensor) -> Tuple[Tensor, Tensor]:
         if self._forward is not None:
-            return out, self._forward.run(q, k, v, out)
+            return out, self._forward.run(self._quantized(q)[0], k, v, out)
         return self.run_any_out(q, k, v, out)
 
     def run_any_out(self, q: Tensor, k: Tensor, v: Tensor, out: Tensor) -> Tuple[Tensor, Tensor]:
-        return out, self._direct(q=q, k=k, v=v, out=out, **self._lists, **self._bound)
+        return out, self._direct(q=self._quantized(q)[0], k=k, v=v, out=out, **self._lists, **self._bound)
 
     def run_with(self, q: Tensor, k: Tensor, v: Tensor, out: Optional[Tensor], blocks, tensors: dict) -> Tuple[Tensor, Tensor]:
         if out is None:
-            out = torch.empty_like(q)
+            out = _new_out(q, self._out_dtype)
+        q, q_descale = self._quantized(q)
+        if q_descale is not None:
+            tensors = dict(tensors, q_descale=q_descale)
         if self._forward is not None:  # the lists by name, written out: no dict built per call
             return out, self._forward.run_with(q=q, k=k, v=v, out=out, full_cnt=blocks.full_cnt, full_idx=blocks.full_idx,
                                                mask_cnt=blocks.mask_cnt, mask_idx=blocks.mask_idx,
@@ -118,24 +161,31 @@ class Planned:
                                                cu_seqlens_q=tensors.get("cu_seqlens_q"),
                                                cu_seqlens_k=_key_offsets(tensors),
                                                max_seqlen_q=self._max_seqlens[0], max_seqlen_k=self._max_seqlens[1],
-                                               seqused_k=tensors.get("seqused_k"), page_table=tensors.get("page_table"))
+                                               seqused_k=tensors.get("seqused_k"), page_table=tensors.get("page_table"),
+                                               q_descale=tensors.get("q_descale"), k_descale=tensors.get("k_descale"),
+                                               v_descale=tensors.get("v_descale"))
         return out, self._direct(q=q, k=k, v=v, out=out, **_list_args(blocks, tensors), **self._bound)
 
 
-def planned(call, splits: int, out: Tensor, graph_launch: Optional[bool] = None):
+def planned(call, splits: int, out: Tensor, graph_launch: Optional[bool] = None,
+            q_buffers: Optional[Tuple[Tensor, Tensor]] = None):
     """The extension's SparseForward for this call into `out`, or None for a build without it.
     graph_launch (None: device.GRAPH_LAUNCH): its runs after the first launch the kernels as one
-    CUDA graph."""
+    CUDA graph. A call whose q the backend quantizes is planned over e4m3 buffers (q_buffers:
+    fp8.quantized_q_buffers, else new ones), which its runs must be given."""
     planner = fa3_ops.planner()
     if planner is None:
         return None
-    return planner(q=call.q, k=call.k, v=call.v, out=out, **_call_args(call, splits),
+    q, q_descale = _launch_q(call, q_buffers)
+    return planner(q=q, k=call.k, v=call.v, out=out, **_call_args(call, splits, q_descale),
                    **graph_launch_option(planner, graph_launch))
 
 
 def run(call, splits: int, out: Optional[Tensor] = None) -> Tuple[Tensor, Tensor]:
-    """(out, lse) through the ops (traceable); a given `out` is written in place."""
-    named = dict(q=call.q, k=call.k, v=call.v, **_call_args(call, splits))
+    """(out, lse) through the ops (traceable); a given `out` is written in place. A q the backend
+    quantizes is quantized first (fp8.quantize_q)."""
+    q, q_descale = quantize_q(call.q, call.k.shape[-2], batch=call.batch) if call.quantizes_q else (call.q, None)
+    named = dict(q=q, k=call.k, v=call.v, **_call_args(call, splits, q_descale))
     if out is None:
         return fa3_ops.op()(**named)
     return out, fa3_ops.op_out()(out=out, **named)

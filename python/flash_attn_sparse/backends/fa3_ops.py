@@ -17,6 +17,7 @@ from typing import Optional, Tuple
 import torch
 from torch import Tensor
 
+from ..fp8 import FP8_DTYPE
 from ..metadata import SparseBlocks
 
 BLOCK_SIZE = 128  # kSparseBlockSize: one K/V block is one kernel tile_n
@@ -30,6 +31,7 @@ PAGE_MULTIPLE = BLOCK_SIZE  # pages of whole list blocks take TMA loads, others 
 _MISSING_BUILD: dict = {}
 _CAPABILITIES: dict = {}
 _DISABLED: dict = {}
+_DESCALES: dict = {}
 
 
 @torch.compiler.assume_constant_result  # an import is not traceable; the answer is fixed per process
@@ -52,13 +54,22 @@ def _why_not_built() -> Optional[str]:
 
 @torch.compiler.assume_constant_result
 def disabled() -> Tuple[str, ...]:
-    """The FLASH_ATTENTION_DISABLE_* flags (suffixes: VARLEN, PACKGQA, SPLIT, HDIM64, HDIM128, FP16)
+    """The FLASH_ATTENTION_DISABLE_* flags (suffixes: VARLEN, PACKGQA, SPLIT, HDIM64, HDIM128, FP16, FP8, PAGEDKV)
     this flash_attn_3 build was compiled with, as its extension reports them (none for a build
     that predates the report, or no build)."""
     if "answer" not in _DISABLED:
         report = _extension_attribute("sparse_disabled") if missing_build() is None else None
         _DISABLED["answer"] = tuple(report()) if report is not None else ()
     return _DISABLED["answer"]
+
+
+@torch.compiler.assume_constant_result
+def _takes_descales() -> bool:
+    """Whether this build's op takes q_descale, k_descale and v_descale (a build before FP8 does
+    not); True without a build, whose absence missing_build reports."""
+    if "answer" not in _DESCALES:
+        _DESCALES["answer"] = missing_build() is not None or "q_descale" in {a.name for a in op()._schema.arguments}
+    return _DESCALES["answer"]
 
 
 @torch.compiler.assume_constant_result
@@ -97,18 +108,29 @@ def packed_group(q: Tensor, k: Tensor, blocks: SparseBlocks, seqlen_q: int) -> i
 def refusal(q: Tensor, k: Tensor, blocks: SparseBlocks, *, varlen: bool, page_size: Optional[int] = None,
             seqused_k: bool = False, max_seqlen_q: Optional[int] = None) -> Optional[str]:
     """None if the FA-3 sparse kernel takes this call, else the first rule it breaks. page_size:
-    a paged cache's (k.shape[1]), None for contiguous K/V; seqused_k: whether the call has one."""
+    a paged cache's (k.shape[1]), None for contiguous K/V; seqused_k: whether the call has one.
+    float8_e4m3fn k (FP8) runs the e4m3 kernels with q e4m3, or fp16 / bf16 that the backend
+    quantizes to e4m3 first."""
     if not _on_sm90(q):
         return "the FA-3 sparse kernel runs on sm90 (H100/H200) only"
-    if q.dtype not in (torch.float16, torch.bfloat16) or k.dtype != q.dtype:
-        return f"the FA-3 sparse kernel takes fp16 or bf16 q and k of one dtype, got {q.dtype} and {k.dtype}"
+    fp8 = k.dtype == FP8_DTYPE
+    if fp8 and q.dtype not in (FP8_DTYPE, torch.float16, torch.bfloat16):
+        return f"the FA-3 sparse kernel takes float8_e4m3fn K/V with float8_e4m3fn, fp16 or bf16 q, got {q.dtype}"
+    if not fp8 and (q.dtype not in (torch.float16, torch.bfloat16) or k.dtype != q.dtype):
+        return f"the FA-3 sparse kernel takes fp16 or bf16 q and k of one dtype, or float8_e4m3fn k, got {q.dtype} and {k.dtype}"
     if q.shape[-1] not in HEAD_DIMS or k.shape[-1] != q.shape[-1]:
         return f"the FA-3 sparse kernel has head dims {HEAD_DIMS} (K and V equal to Q), got {q.shape[-1]}"
-    compiled_out = [flag for flag, needed in (("FP16", q.dtype == torch.float16), (f"HDIM{q.shape[-1]}", True),
+    if fp8 and ("FP8" in disabled() or not _takes_descales()):
+        return ("this flash_attn_3 build has no FP8 kernels (FLASH_ATTENTION_DISABLE_FP8): "
+                "rebuild with FLASH_ATTN_SPARSE_FP8=1 nox -s build")
+    compiled_out = [flag for flag, needed in (("FP16", q.dtype == torch.float16 and not fp8), (f"HDIM{q.shape[-1]}", True),
                                               ("VARLEN", varlen or seqused_k)) if needed and flag in disabled()]
     if compiled_out:
         return f"this flash_attn_3 build has no such kernels (FLASH_ATTENTION_DISABLE_{compiled_out[0]})"
     cpasync_pages = page_size is not None and page_size % PAGE_MULTIPLE != 0
+    if cpasync_pages and fp8:
+        return (f"the FA-3 sparse kernel takes FP8 K/V in pages of a multiple of {PAGE_MULTIPLE} keys only "
+                f"(TMA pages), got pages of {page_size}: pages of other sizes are not supported for FP8")
     if cpasync_pages and ("PAGEDKV" in disabled() or "PACKGQA" in disabled()):
         return (f"this flash_attn_3 build has no kernels for pages of other than a multiple of {PAGE_MULTIPLE} keys "
                 "(FLASH_ATTENTION_DISABLE_PAGEDKV or _PACKGQA)")

@@ -207,6 +207,8 @@ def wider_than_the_keys(call) -> Optional[str]:
 
 def refusal(call) -> Optional[str]:
     """Why this backend cannot run `call` (a calls.SparseCall), or None. Shapes only: never syncs."""
+    if call.fp8:
+        return "flash-attn-4's sparse forward here takes no FP8 (float8_e4m3fn) inputs; FP8 K/V runs on backend='fa3' (sm90)"
     if torch.compiler.is_compiling():
         return "flash-attn-4's CuTe-DSL call cannot be traced by torch.compile; use 'fa2', 'fa3' or 'auto' there"
     if call.varlen and call.requested_splits > 1:
@@ -260,7 +262,8 @@ def plan(call, splits: int, out: Optional[Tensor], keep_buffers: bool = True) ->
 
 
 # A call's tensors (calls.TENSOR_FIELDS): what a one-shot plan drops, so that its cache keeps none alive.
-_CALL_TENSORS = ("q", "k", "v", "blocks", "cu_seqlens_q", "cu_seqlens_k", "seqused_k", "page_table")
+_CALL_TENSORS = ("q", "k", "v", "blocks", "cu_seqlens_q", "cu_seqlens_k", "seqused_k", "page_table", "q_descale",
+                 "k_descale", "v_descale")
 
 
 class Planned:

@@ -4,7 +4,7 @@
  * Built without CUTLASS_ENABLE_DIRECT_CUDA_DRIVER_CALL, CUTLASS's wrapper
  * (cutlass/cuda_host_adapter.hpp) looks cuTensorMapEncodeTiled up with
  * cudaGetDriverEntryPointByVersion on every call, and every FA-3 launch builds five or six TMA
- * descriptors (Q, K, V, K_new, V_new, O). setup.py (patch flash-attn-3/0010) defines the macro for
+ * descriptors (Q, K, V, K_new, V_new, O). setup.py (patch flash-attn-3/0011) defines the macro for
  * every unit, so CUTLASS calls the functions below by name; they are hidden inside the extension
  * (no driver symbol is exported or interposed) and look the driver's entry point up on first use,
  * as the wrapper did, so the extension still imports where there is no driver and links no libcuda.

@@ -45,6 +45,11 @@ void run_mha_fwd_sparse_(Flash_fwd_params &params, cudaStream_t stream);
 
 namespace {
 
+// FP8 (e4m3) q, k and v give bf16 out, as upstream's FP8 forward; fp16 and bf16 give their own.
+at::ScalarType out_dtype_of(at::Tensor const &q) {
+    return q.scalar_type() == at::kFloat8_e4m3fn ? at::kBFloat16 : q.scalar_type();
+}
+
 // A list table: int32 on q's device, `dim` dimensions; its last one contiguous where the kernel
 // walks it (every idx table, and the varlen layout's cnt[hs, total_m_blocks]).
 void check_table(const c10::optional<at::Tensor> &t, const char *name, const at::Tensor &q, int64_t dim,
@@ -123,6 +128,12 @@ void run_sparse_of_dim(Flash_fwd_params &params, cudaStream_t stream) {
 }
 
 void run_sparse(Flash_fwd_params &params, cudaStream_t stream) {
+    if (params.is_e4m3) {
+#ifndef FLASHATTENTION_DISABLE_FP8
+        return run_sparse_of_dim<cutlass::float_e4m3_t>(params, stream);
+#endif
+        TORCH_CHECK(false, "this build has no FP8 sparse kernels");
+    }
     if (params.is_bf16) { return run_sparse_of_dim<cutlass::bfloat16_t>(params, stream); }
 #ifndef FLASHATTENTION_DISABLE_FP16
     return run_sparse_of_dim<cutlass::half_t>(params, stream);
@@ -152,10 +163,14 @@ SparseLaunch prepare_sparse(
         c10::optional<int64_t> max_seqlen_q, c10::optional<int64_t> max_seqlen_k,
         double softmax_scale, int64_t block_size, int64_t q_block_size, bool causal,
         int64_t num_splits, c10::optional<bool> pack_gqa,
-        c10::optional<at::Tensor> seqused_k, c10::optional<at::Tensor> page_table) {
+        c10::optional<at::Tensor> seqused_k, c10::optional<at::Tensor> page_table,
+        c10::optional<at::Tensor> q_descale, c10::optional<at::Tensor> k_descale, c10::optional<at::Tensor> v_descale) {
     auto const q_type = q.scalar_type();
-    TORCH_CHECK(q_type == at::kHalf || q_type == at::kBFloat16, "q must be fp16 or bf16");
+    bool const fp8 = q_type == at::kFloat8_e4m3fn;
+    TORCH_CHECK(q_type == at::kHalf || q_type == at::kBFloat16 || fp8, "q must be fp16, bf16 or float8_e4m3fn");
     TORCH_CHECK(k.scalar_type() == q_type && v.scalar_type() == q_type, "q, k and v must have one dtype");
+    TORCH_CHECK(fp8 || !(q_descale.has_value() || k_descale.has_value() || v_descale.has_value()),
+                "q_descale, k_descale and v_descale go with float8_e4m3fn q, k and v");
     TORCH_CHECK(q.is_cuda() && k.device() == q.device() && v.device() == q.device(), "q, k and v must be on one CUDA device");
     TORCH_CHECK(q.stride(-1) == 1 && k.stride(-1) == 1 && v.stride(-1) == 1, "q, k and v must have a contiguous last dimension");
     TORCH_CHECK(block_size == kSparseBlockSize, "block_size must be ", kSparseBlockSize, " on the FA-3 sparse path");
@@ -240,6 +255,7 @@ SparseLaunch prepare_sparse(
     shape.q_block_size = int(std::min<int64_t>(q_block_size, std::numeric_limits<int>::max()));
     shape.head_dim = head_size;
     shape.fp16 = q_type == at::kHalf;
+    shape.fp8 = fp8;
     shape.varlen = varlen_kernel;
     shape.max_list_blocks = varlen ? n_blocks_k
         : int(std::min<int64_t>(n_blocks_k, full_idx.size(3) + (mask_idx.has_value() ? mask_idx->size(3) : 0)));
@@ -257,8 +273,16 @@ SparseLaunch prepare_sparse(
         TORCH_CHECK(full_cnt.size(2) >= (seqlen_q + q_block_size - 1) / q_block_size, "full_cnt needs one row per query tile");
     }
 
-    TORCH_CHECK(out.scalar_type() == q_type && out.device() == q.device() && out.sizes() == q.sizes() && (out.numel() == 0 || out.stride(-1) == 1),
-                "out must be like q (dtype, device, shape) with a contiguous last dimension");
+    TORCH_CHECK(out.scalar_type() == out_dtype_of(q) && out.device() == q.device() && out.sizes() == q.sizes()
+                && (out.numel() == 0 || out.stride(-1) == 1),
+                "out must be like q (device, shape; bf16 for float8_e4m3fn q, else q's dtype) with a contiguous last dimension");
+    // Descales: float32 (batch_size, num_heads_k), any strides (a scalar expanded to that shape has zero strides).
+    for (auto const &[t, name] : {std::make_pair(&q_descale, "q_descale"), std::make_pair(&k_descale, "k_descale"),
+                                  std::make_pair(&v_descale, "v_descale")}) {
+        TORCH_CHECK(!t->has_value() || ((*t)->scalar_type() == at::kFloat && (*t)->device() == q.device() && (*t)->dim() == 2
+                                        && (*t)->size(0) == batch_size && (*t)->size(1) == num_heads_k),
+                    name, " must be a float32 (batch_size, num_heads_k) tensor on the device of q");
+    }
     auto opts = q.options();
     SparseLaunch launch;
     launch.softmax_lse = varlen ? at::empty({num_heads, total_q}, opts.dtype(at::kFloat))
@@ -291,6 +315,13 @@ SparseLaunch prepare_sparse(
         params.sparse.max_keys = seqlen_k;
     }
     params.pack_gqa = pack;
+    // Null descales read as 1 in the kernel.
+    params.q_descale_ptr = q_descale.has_value() ? q_descale->data_ptr<float>() : nullptr;
+    params.k_descale_ptr = k_descale.has_value() ? k_descale->data_ptr<float>() : nullptr;
+    params.v_descale_ptr = v_descale.has_value() ? v_descale->data_ptr<float>() : nullptr;
+    if (q_descale.has_value()) { params.q_descale_batch_stride = q_descale->stride(0); params.q_descale_head_stride = q_descale->stride(1); }
+    if (k_descale.has_value()) { params.k_descale_batch_stride = k_descale->stride(0); params.k_descale_head_stride = k_descale->stride(1); }
+    if (v_descale.has_value()) { params.v_descale_batch_stride = v_descale->stride(0); params.v_descale_head_stride = v_descale->stride(1); }
 
     auto &sp = params.sparse;
     sp.full_cnt = full_cnt.data_ptr<int>();
@@ -415,11 +446,13 @@ at::Tensor mha_fwd_sparse_into(
         c10::optional<int64_t> max_seqlen_q, c10::optional<int64_t> max_seqlen_k,
         double softmax_scale, int64_t block_size, int64_t q_block_size, bool causal,
         int64_t num_splits, c10::optional<bool> pack_gqa,
-        c10::optional<at::Tensor> seqused_k, c10::optional<at::Tensor> page_table) {
+        c10::optional<at::Tensor> seqused_k, c10::optional<at::Tensor> page_table,
+        c10::optional<at::Tensor> q_descale, c10::optional<at::Tensor> k_descale, c10::optional<at::Tensor> v_descale) {
     c10::cuda::CUDAGuard device_guard{q.device()};
     SparseLaunch launch = prepare_sparse(q, k, v, out, full_cnt, full_idx, mask_cnt, mask_idx, cu_total_m_blocks,
                                          cu_block_idx_offsets, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                                         softmax_scale, block_size, q_block_size, causal, num_splits, pack_gqa, seqused_k, page_table);
+                                         softmax_scale, block_size, q_block_size, causal, num_splits, pack_gqa, seqused_k, page_table,
+                                         q_descale, k_descale, v_descale);
     launch_sparse(launch, out);
     return launch.softmax_lse;
 }
@@ -443,15 +476,17 @@ public:
                   c10::optional<int64_t> max_seqlen_q, c10::optional<int64_t> max_seqlen_k, double softmax_scale,
                   int64_t block_size, int64_t q_block_size, bool causal, int64_t num_splits,
                   c10::optional<bool> pack_gqa, c10::optional<at::Tensor> seqused_k,
-                  c10::optional<at::Tensor> page_table, bool graph_launch)
-        : device_(q.device()), dtype_(q.scalar_type()), q_sizes_(q.sizes().vec()), q_strides_(q.strides().vec()),
+                  c10::optional<at::Tensor> page_table, c10::optional<at::Tensor> q_descale,
+                  c10::optional<at::Tensor> k_descale, c10::optional<at::Tensor> v_descale, bool graph_launch)
+        : device_(q.device()), dtype_(q.scalar_type()), out_dtype_(out_dtype_of(q)), q_sizes_(q.sizes().vec()), q_strides_(q.strides().vec()),
           k_sizes_(k.sizes().vec()), k_strides_(k.strides().vec()), v_strides_(v.strides().vec()),
           out_strides_(out.strides().vec()), planned_max_seqlen_q_(max_seqlen_q.value_or(0)),
           planned_max_seqlen_k_(max_seqlen_k.value_or(0)), graph_launch_(graph_launch) {
         c10::cuda::CUDAGuard device_guard{q.device()};
         launch_ = prepare_sparse(q, k, v, out, full_cnt, full_idx, mask_cnt, mask_idx, cu_total_m_blocks,
                                  cu_block_idx_offsets, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                                 softmax_scale, block_size, q_block_size, causal, num_splits, pack_gqa, seqused_k, page_table);
+                                 softmax_scale, block_size, q_block_size, causal, num_splits, pack_gqa, seqused_k, page_table,
+                                 q_descale, k_descale, v_descale);
         lse_sizes_ = launch_.softmax_lse.sizes().vec();
         if (launch_.out_accum.defined()) {
             out_accum_numel_ = launch_.out_accum.numel();
@@ -460,7 +495,9 @@ public:
         ListTensors const lists{full_cnt, full_idx, mask_cnt, mask_idx, cu_total_m_blocks, cu_block_idx_offsets,
                                 cu_seqlens_q, cu_seqlens_k, seqused_k, page_table};
         for (size_t i = 0; i < lists.size(); ++i) { list_layouts_[i] = layout_of(lists[i]); }
-        keep_alive(lists);  // the parameters point into them
+        DescaleTensors const descales{q_descale, k_descale, v_descale};
+        for (size_t i = 0; i < descales.size(); ++i) { descale_layouts_[i] = layout_of(descales[i]); }
+        keep_alive(lists, descales);  // the parameters point into them
     }
 
     at::Tensor run(at::Tensor q, at::Tensor k, at::Tensor v, at::Tensor out) {
@@ -478,7 +515,9 @@ public:
                         c10::optional<at::Tensor> cu_block_idx_offsets, c10::optional<at::Tensor> cu_seqlens_q,
                         c10::optional<at::Tensor> cu_seqlens_k, c10::optional<int64_t> max_seqlen_q,
                         c10::optional<int64_t> max_seqlen_k, c10::optional<at::Tensor> softmax_lse,
-                        c10::optional<at::Tensor> seqused_k, c10::optional<at::Tensor> page_table) {
+                        c10::optional<at::Tensor> seqused_k, c10::optional<at::Tensor> page_table,
+                        c10::optional<at::Tensor> q_descale, c10::optional<at::Tensor> k_descale,
+                        c10::optional<at::Tensor> v_descale) {
         check_planned(q, k, v, out, "SparseForward.run_with");
         if (cu_seqlens_q.has_value()) {
             // The tile choice, split count and combine grid were sized for the planned longest
@@ -494,6 +533,11 @@ public:
         for (size_t i = 0; i < lists.size(); ++i) {
             TORCH_CHECK(has_layout(lists[i], list_layouts_[i]), "SparseForward.run_with: ", kListNames[i],
                         " must be given or left out as planned, an int32 tensor of the planned shape and strides on the planned device");
+        }
+        DescaleTensors const descales{q_descale, k_descale, v_descale};
+        for (size_t i = 0; i < descales.size(); ++i) {
+            TORCH_CHECK(has_layout(descales[i], descale_layouts_[i], at::kFloat), "SparseForward.run_with: ", kDescaleNames[i],
+                        " must be given or left out as planned, a float32 tensor of the planned shape and strides on the planned device");
         }
         if (softmax_lse.has_value()) {
             TORCH_CHECK(softmax_lse->scalar_type() == at::kFloat && softmax_lse->device() == device_
@@ -521,6 +565,9 @@ public:
         }
         params.seqused_k = seqused_k.has_value() ? seqused_k->data_ptr<int>() : nullptr;
         if (page_table.has_value()) { params.page_table = page_table->data_ptr<int>(); }
+        if (q_descale.has_value()) { params.q_descale_ptr = q_descale->data_ptr<float>(); }
+        if (k_descale.has_value()) { params.k_descale_ptr = k_descale->data_ptr<float>(); }
+        if (v_descale.has_value()) { params.v_descale_ptr = v_descale->data_ptr<float>(); }
         if (params.num_splits > 1) {
             // Both split partials in one allocation, laid out as planned (contiguous): out_accum's
             // floats, then lse_accum's (out_accum's count is a multiple of the head dim: aligned).
@@ -535,7 +582,7 @@ public:
             params.tile_count_semaphore = launch.tile_count_semaphore.data_ptr<int>();
         }
         launch_planned(launch, out);
-        keep_alive(lists);  // until the next run, as a plan keeps its own
+        keep_alive(lists, descales);  // until the next run, as a plan keeps its own
         return launch.softmax_lse;
     }
 
@@ -551,6 +598,7 @@ public:
 
 private:
     using ListTensors = std::array<c10::optional<at::Tensor>, 10>;
+    using DescaleTensors = std::array<c10::optional<at::Tensor>, 3>;
 
     // launch_sparse, or with graph_launch through the plan's KernelGraph: the first eager run
     // launches directly (setting the kernels' attributes outside any capture) and then captures;
@@ -573,6 +621,7 @@ private:
     static constexpr std::array<char const *, 10> kListNames{"full_cnt", "full_idx", "mask_cnt", "mask_idx",
                                                             "cu_total_m_blocks", "cu_block_idx_offsets",
                                                             "cu_seqlens_q", "cu_seqlens_k", "seqused_k", "page_table"};
+    static constexpr std::array<char const *, 3> kDescaleNames{"q_descale", "k_descale", "v_descale"};
     struct Layout {
         bool given = false;
         std::vector<int64_t> sizes, strides;
@@ -581,9 +630,9 @@ private:
     static Layout layout_of(c10::optional<at::Tensor> const &t) {
         return t.has_value() ? Layout{true, t->sizes().vec(), t->strides().vec()} : Layout{};
     }
-    bool has_layout(c10::optional<at::Tensor> const &t, Layout const &planned) const {
+    bool has_layout(c10::optional<at::Tensor> const &t, Layout const &planned, at::ScalarType dtype = at::kInt) const {
         if (!t.has_value()) { return !planned.given; }
-        return planned.given && t->scalar_type() == at::kInt && t->device() == device_
+        return planned.given && t->scalar_type() == dtype && t->device() == device_
                && t->sizes() == at::IntArrayRef(planned.sizes) && t->strides() == at::IntArrayRef(planned.strides);
     }
 
@@ -591,7 +640,7 @@ private:
     void check_planned(at::Tensor const &q, at::Tensor const &k, at::Tensor const &v, at::Tensor const &out,
                        char const *what) const {
         TORCH_CHECK(q.scalar_type() == dtype_ && k.scalar_type() == dtype_ && v.scalar_type() == dtype_
-                    && out.scalar_type() == dtype_, what, ": q, k, v and out must have the planned dtype");
+                    && out.scalar_type() == out_dtype_, what, ": q, k, v and out must have the planned dtypes");
         TORCH_CHECK(q.device() == device_ && k.device() == device_ && v.device() == device_ && out.device() == device_,
                     what, ": q, k, v and out must be on the planned device");
         TORCH_CHECK(q.sizes() == at::IntArrayRef(q_sizes_) && q.strides() == at::IntArrayRef(q_strides_)
@@ -609,15 +658,18 @@ private:
         params.o_ptr = out.data_ptr();
     }
 
-    void keep_alive(ListTensors const &lists) {
+    void keep_alive(ListTensors const &lists, DescaleTensors const &descales) {
         lists_.clear();
         for (auto const &t : lists) {
+            if (t.has_value()) { lists_.push_back(*t); }
+        }
+        for (auto const &t : descales) {
             if (t.has_value()) { lists_.push_back(*t); }
         }
     }
 
     c10::Device device_;
-    at::ScalarType dtype_;
+    at::ScalarType dtype_, out_dtype_;
     std::vector<int64_t> q_sizes_, q_strides_, k_sizes_, k_strides_, v_strides_, out_strides_;
     SparseLaunch launch_;
     std::vector<int64_t> lse_sizes_;
@@ -627,6 +679,7 @@ private:
     bool graph_launch_;
     std::unique_ptr<KernelGraph> graph_;  // made by the first eager run with graph_launch
     std::array<Layout, 10> list_layouts_;
+    std::array<Layout, 3> descale_layouts_;
     std::vector<at::Tensor> lists_;
 };
 
@@ -639,11 +692,13 @@ std::tuple<at::Tensor, at::Tensor> mha_fwd_sparse(
         c10::optional<int64_t> max_seqlen_q, c10::optional<int64_t> max_seqlen_k,
         double softmax_scale, int64_t block_size, int64_t q_block_size, bool causal,
         int64_t num_splits, c10::optional<bool> pack_gqa,
-        c10::optional<at::Tensor> seqused_k, c10::optional<at::Tensor> page_table) {
-    at::Tensor out = at::empty_like(q);
+        c10::optional<at::Tensor> seqused_k, c10::optional<at::Tensor> page_table,
+        c10::optional<at::Tensor> q_descale, c10::optional<at::Tensor> k_descale, c10::optional<at::Tensor> v_descale) {
+    at::Tensor out = at::empty_like(q, q.options().dtype(out_dtype_of(q)));
     at::Tensor lse = mha_fwd_sparse_into(q, k, v, out, full_cnt, full_idx, mask_cnt, mask_idx, cu_total_m_blocks,
                                          cu_block_idx_offsets, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                                         softmax_scale, block_size, q_block_size, causal, num_splits, pack_gqa, seqused_k, page_table);
+                                         softmax_scale, block_size, q_block_size, causal, num_splits, pack_gqa, seqused_k, page_table,
+                                         q_descale, k_descale, v_descale);
     return {out, lse};
 }
 
@@ -658,9 +713,10 @@ std::tuple<at::Tensor, at::Tensor> mha_fwd_sparse_meta(
         c10::optional<int64_t> max_seqlen_q, c10::optional<int64_t> max_seqlen_k,
         double softmax_scale, int64_t block_size, int64_t q_block_size, bool causal,
         int64_t num_splits, c10::optional<bool> pack_gqa,
-        c10::optional<at::Tensor> seqused_k, c10::optional<at::Tensor> page_table) {
+        c10::optional<at::Tensor> seqused_k, c10::optional<at::Tensor> page_table,
+        c10::optional<at::Tensor> q_descale, c10::optional<at::Tensor> k_descale, c10::optional<at::Tensor> v_descale) {
     auto lse_opts = q.options().dtype(at::kFloat);
-    at::Tensor out = at::empty_like(q);
+    at::Tensor out = at::empty_like(q, q.options().dtype(out_dtype_of(q)));
     at::Tensor lse = q.dim() == 3 ? at::empty({q.size(1), q.size(0)}, lse_opts)  // varlen (total_q, h, d)
                                               : at::empty({q.size(0), q.size(2), q.size(1)}, lse_opts);
     return {out, lse};
@@ -674,10 +730,12 @@ at::Tensor mha_fwd_sparse_into_meta(
         c10::optional<int64_t> max_seqlen_q, c10::optional<int64_t> max_seqlen_k,
         double softmax_scale, int64_t block_size, int64_t q_block_size, bool causal,
         int64_t num_splits, c10::optional<bool> pack_gqa,
-        c10::optional<at::Tensor> seqused_k, c10::optional<at::Tensor> page_table) {
+        c10::optional<at::Tensor> seqused_k, c10::optional<at::Tensor> page_table,
+        c10::optional<at::Tensor> q_descale, c10::optional<at::Tensor> k_descale, c10::optional<at::Tensor> v_descale) {
     return std::get<1>(mha_fwd_sparse_meta(q, k, v, full_cnt, full_idx, mask_cnt, mask_idx, cu_total_m_blocks,
                                            cu_block_idx_offsets, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                                           softmax_scale, block_size, q_block_size, causal, num_splits, pack_gqa, seqused_k, page_table));
+                                           softmax_scale, block_size, q_block_size, causal, num_splits, pack_gqa, seqused_k, page_table,
+                                         q_descale, k_descale, v_descale));
 }
 
 }  // namespace
@@ -686,14 +744,14 @@ TORCH_LIBRARY(flash_attn_3_sparse, m) {
     m.def("fwd(Tensor q, Tensor k, Tensor v, Tensor full_cnt, Tensor full_idx, Tensor? mask_cnt, Tensor? mask_idx, "
           "Tensor? cu_total_m_blocks, Tensor? cu_block_idx_offsets, Tensor? cu_seqlens_q, Tensor? cu_seqlens_k, "
           "int? max_seqlen_q, int? max_seqlen_k, *, float softmax_scale, int block_size=128, int q_block_size=128, "
-          "bool causal=False, int num_splits=1, bool? pack_gqa=None, Tensor? seqused_k=None, Tensor? page_table=None) "
-          "-> (Tensor out, Tensor softmax_lse)");
+          "bool causal=False, int num_splits=1, bool? pack_gqa=None, Tensor? seqused_k=None, Tensor? page_table=None, "
+          "Tensor? q_descale=None, Tensor? k_descale=None, Tensor? v_descale=None) -> (Tensor out, Tensor softmax_lse)");
     // The same forward writing into a given out (no allocation, no copy): a plan's run.
     m.def("fwd_out(Tensor q, Tensor k, Tensor v, Tensor(a!) out, Tensor full_cnt, Tensor full_idx, Tensor? mask_cnt, "
           "Tensor? mask_idx, Tensor? cu_total_m_blocks, Tensor? cu_block_idx_offsets, Tensor? cu_seqlens_q, "
           "Tensor? cu_seqlens_k, int? max_seqlen_q, int? max_seqlen_k, *, float softmax_scale, int block_size=128, "
           "int q_block_size=128, bool causal=False, int num_splits=1, bool? pack_gqa=None, Tensor? seqused_k=None, "
-          "Tensor? page_table=None) -> Tensor softmax_lse");
+          "Tensor? page_table=None, Tensor? q_descale=None, Tensor? k_descale=None, Tensor? v_descale=None) -> Tensor softmax_lse");
 }
 
 TORCH_LIBRARY_IMPL(flash_attn_3_sparse, CUDA, m) {
@@ -707,7 +765,7 @@ TORCH_LIBRARY_IMPL(flash_attn_3_sparse, Meta, m) {
 }
 
 // The eager entry points, bound with pybind11 into flash_attn_3._C by its PyInit__C (patch
-// flash-attn-3/0009): a call costs a few us less than through torch.classes or torch.ops, whose
+// flash-attn-3/0010): a call costs a few us less than through torch.classes or torch.ops, whose
 // argument parsing against a schema is most of the planned forward's host time. Named arguments,
 // as the ops'.
 int flash_sparse_add_python_api(PyObject *module) {
@@ -721,13 +779,15 @@ int flash_sparse_add_python_api(PyObject *module) {
                           c10::optional<at::Tensor>, c10::optional<at::Tensor>, c10::optional<at::Tensor>,
                           c10::optional<at::Tensor>, c10::optional<at::Tensor>, c10::optional<at::Tensor>,
                           c10::optional<int64_t>, c10::optional<int64_t>, double, int64_t, int64_t, bool, int64_t,
-                          c10::optional<bool>, c10::optional<at::Tensor>, c10::optional<at::Tensor>, bool>(),
+                          c10::optional<bool>, c10::optional<at::Tensor>, c10::optional<at::Tensor>,
+                          c10::optional<at::Tensor>, c10::optional<at::Tensor>, c10::optional<at::Tensor>, bool>(),
                  py::arg("q"), py::arg("k"), py::arg("v"), py::arg("out"), py::arg("full_cnt"), py::arg("full_idx"),
                  py::arg("mask_cnt"), py::arg("mask_idx"), py::arg("cu_total_m_blocks"), py::arg("cu_block_idx_offsets"),
                  py::arg("cu_seqlens_q"), py::arg("cu_seqlens_k"), py::arg("max_seqlen_q"), py::arg("max_seqlen_k"),
                  py::kw_only(), py::arg("softmax_scale"), py::arg("block_size"), py::arg("q_block_size"),
                  py::arg("causal"), py::arg("num_splits"), py::arg("pack_gqa"), py::arg("seqused_k") = py::none(),
-                 py::arg("page_table") = py::none(), py::arg("graph_launch") = false)
+                 py::arg("page_table") = py::none(), py::arg("q_descale") = py::none(), py::arg("k_descale") = py::none(),
+                 py::arg("v_descale") = py::none(), py::arg("graph_launch") = false)
             .def("run", &SparseForward::run, "Launch over q, k, v into out; returns the plan's LSE",
                  py::arg("q"), py::arg("k"), py::arg("v"), py::arg("out"))
             .def("run_with", &SparseForward::run_with,
@@ -737,7 +797,8 @@ int flash_sparse_add_python_api(PyObject *module) {
                  py::arg("mask_cnt"), py::arg("mask_idx"), py::arg("cu_total_m_blocks"), py::arg("cu_block_idx_offsets"),
                  py::arg("cu_seqlens_q"), py::arg("cu_seqlens_k"), py::arg("max_seqlen_q") = py::none(),
                  py::arg("max_seqlen_k") = py::none(), py::arg("softmax_lse") = py::none(),
-                 py::arg("seqused_k") = py::none(), py::arg("page_table") = py::none())
+                 py::arg("seqused_k") = py::none(), py::arg("page_table") = py::none(), py::arg("q_descale") = py::none(),
+                 py::arg("k_descale") = py::none(), py::arg("v_descale") = py::none())
             .def("release_run_buffers", &SparseForward::release_run_buffers,
                  "Free run's LSE, split partials and tile counter (run_with allocates its own); run is refused after");
         m.def("fwd_into", &mha_fwd_sparse_into, "fwd_out without the dispatcher: the forward into out; returns the LSE",
@@ -746,7 +807,8 @@ int flash_sparse_add_python_api(PyObject *module) {
               py::arg("cu_seqlens_q"), py::arg("cu_seqlens_k"), py::arg("max_seqlen_q"), py::arg("max_seqlen_k"),
               py::kw_only(), py::arg("softmax_scale"), py::arg("block_size"), py::arg("q_block_size"),
               py::arg("causal"), py::arg("num_splits"), py::arg("pack_gqa"), py::arg("seqused_k") = py::none(),
-              py::arg("page_table") = py::none());
+              py::arg("page_table") = py::none(), py::arg("q_descale") = py::none(), py::arg("k_descale") = py::none(),
+              py::arg("v_descale") = py::none());
         m.def("sparse_disabled", &sparse_build_disabled,
               "The FLASH_ATTENTION_DISABLE_* flags (suffixes) of this build that the sparse path reads");
     } catch (py::error_already_set &error) {

@@ -1,5 +1,5 @@
 """Instantiations of the sparse SM90 forward (flash_fwd_sparse_launch_template.h): head dims 64
-and 128, fp16 and bf16, with and without PackGQA (shared and per-K/V-head lists) and split-KV, in
+and 128, fp16, bf16 and e4m3 (FP8 Q/K/V, bf16 out), with and without PackGQA (shared and per-K/V-head lists) and split-KV, in
 128-row tiles, and packed split calls also in 64-row tiles (`_m64`, decode: sparse_params.h); the
 packed ones also with cp.async paged K/V (`_paged`: pages that do not hold whole 128-key blocks).
 
@@ -12,7 +12,7 @@ from pathlib import Path
 
 SparseKernel = namedtuple("SparseKernel", ["template", "filename"])
 
-SPARSE_DTYPES = {"fp16": "cutlass::half_t", "bf16": "cutlass::bfloat16_t"}
+SPARSE_DTYPES = {"fp16": "cutlass::half_t", "bf16": "cutlass::bfloat16_t", "e4m3": "cutlass::float_e4m3_t"}
 SPARSE_HEAD_DIMENSIONS = [64, 128]
 
 PRELUDE = """// Copyright (c) 2024, Jay Shah, Ganesh Bikshandi, Ying Zhang, Vijay Thakkar, Pradeep Ramani, Tri Dao.
@@ -35,7 +35,7 @@ def sparse_kernels():
             filename = (f"flash_fwd_hdim{head_dim}_{dtype}{'_paged' if paged else ''}{'_packgqa' if packgqa else ''}"
                         f"{'_split' if split else ''}{'_m64' if block_m == 64 else ''}_sparse_sm90.cu")
             # PAGEDKV: upstream's flag for its cp.async paged kernels covers these too.
-            flags = ["SPARSE"] + (["PAGEDKV"] if paged else []) + [f"HDIM{head_dim}"]
+            flags = ["SPARSE"] + (["FP8"] if dtype == "e4m3" else []) + (["PAGEDKV"] if paged else []) + [f"HDIM{head_dim}"]
             template = SPARSE_TEMPLATE.format(
                 GUARDS="\n".join(f"#ifndef FLASHATTENTION_DISABLE_{flag}" for flag in flags), ENDIFS="#endif\n" * len(flags),
                 DTYPE=SPARSE_DTYPES[dtype], HEAD_DIM=head_dim, SPLIT=str(split).lower(), PACKGQA=str(packgqa).lower(),

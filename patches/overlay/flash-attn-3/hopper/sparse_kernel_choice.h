@@ -19,7 +19,8 @@ struct SparseCallShape {
     int seqlen_q = 0;         // the longest sequence's under varlen
     int q_block_size = 0;     // query rows per list row
     int head_dim = 0;
-    bool fp16 = false;        // else bf16
+    bool fp16 = false;        // else bf16, or e4m3 where fp8
+    bool fp8 = false;         // e4m3 q, k and v
     bool varlen = false;
     int max_list_blocks = 0;  // a bound on any tile's list length (from shapes)
     int num_sm = 0;
@@ -68,6 +69,9 @@ inline std::vector<std::string> sparse_build_disabled() {
 #ifdef FLASHATTENTION_DISABLE_FP16
     disabled.push_back("FP16");
 #endif
+#ifdef FLASHATTENTION_DISABLE_FP8
+    disabled.push_back("FP8");
+#endif
 #ifdef FLASHATTENTION_DISABLE_PAGEDKV
     disabled.push_back("PAGEDKV");
 #endif
@@ -82,6 +86,9 @@ inline std::string sparse_build_refusal(SparseCallShape const &s) {
 #endif
 #ifdef FLASHATTENTION_DISABLE_FP16
     if (s.fp16) { return build + "FP16) has no fp16 kernels"; }
+#endif
+#ifdef FLASHATTENTION_DISABLE_FP8
+    if (s.fp8) { return build + "FP8) has no FP8 kernels: build with FLASH_ATTN_SPARSE_FP8=1"; }
 #endif
 #ifdef FLASHATTENTION_DISABLE_HDIM64
     if (s.head_dim == 64) { return build + "HDIM64) has no head dim 64 kernels"; }
