@@ -113,7 +113,6 @@ def run_cached(q, k, v, blocks: SparseBlocks, out: Optional[Tensor], options: Ca
     descales = None
     if q_descale is not None or k_descale is not None or v_descale is not None:
         descales = dict(q_descale=q_descale, k_descale=k_descale, v_descale=v_descale)
-        shapes.update(descales)
     cacheable = (isinstance(q, Tensor) and isinstance(k, Tensor) and isinstance(v, Tensor)
                  and isinstance(blocks, SparseBlocks)
                  and (cu_seqlens_q is None or isinstance(cu_seqlens_q, Tensor))
@@ -122,14 +121,14 @@ def run_cached(q, k, v, blocks: SparseBlocks, out: Optional[Tensor], options: Ca
                  and (page_table is None or isinstance(page_table, Tensor))
                  and not torch.compiler.is_compiling() and not exhaustive_validation_requested(options.validate))
     if not cacheable:
-        call = SparseCall(q, k, v, blocks, options, **tensors, **shapes)
+        call = SparseCall(q, k, v, blocks, options, **tensors, **shapes, **(descales or {}))
         check_out(out, call.q, call.out_dtype)
         return run(call, out)
     key = cache_key(q, k, v, out, blocks, options, cu_seqlens_q, cu_seqlens_k, seqused_k, page_table,
                     (max_seqlen_q, max_seqlen_k), descales)
     cached = one_shot_cache.get(key)
     if cached is None:
-        call = SparseCall(q, k, v, blocks, options, **tensors, **shapes)
+        call = SparseCall(q, k, v, blocks, options, **tensors, **shapes, **(descales or {}))
         check_out(out, call.q, call.out_dtype)
         cached = _CachedCall(call, q, k, v, blocks, out)
         if len(one_shot_cache) >= CACHE_SIZE:

@@ -98,6 +98,20 @@ def _launch_q(call, q_buffers: Optional[Tuple[Tensor, Tensor]] = None) -> Tuple[
     return q_e4m3, descale_of_rows(rows, call.batch)
 
 
+def _quantizes(call) -> Optional[Tuple[int, int]]:
+    """(heads_k, batch) of a call whose 16-bit q the backend quantizes, else None."""
+    return (call.k.shape[-2], call.batch) if call.quantizes_q else None
+
+
+def _quantized(q: Tensor, quantizes: Optional[Tuple[int, int]],
+               buffers: Optional[Tuple[Tensor, Tensor]] = None) -> Tuple[Tensor, Optional[Tensor]]:
+    """(the q to launch, its computed q_descale or None): q as it is, or quantized (into buffers)."""
+    if quantizes is None:
+        return q, None
+    heads_k, batch = quantizes
+    return quantize_q(q, heads_k, batch=batch, out=buffers)
+
+
 def plan(call, splits: int, out: Optional[Tensor], keep_buffers: bool = True) -> "Planned":
     """This call's forward bound once (backends/protocol.py)."""
     return Planned(call, splits, out, keep_buffers)
@@ -117,7 +131,7 @@ class Planned:
         self._out_dtype = call.out_dtype
         # A q the backend quantizes: each run writes it into the plan's own e4m3 buffers, which
         # the planned forward reads; a one-shot plan quantizes into new tensors per call.
-        self._quantizes = (call.k.shape[-2], call.batch) if call.quantizes_q else None
+        self._quantizes = _quantizes(call)
         buffers = quantized_q_buffers(call.q, *self._quantizes) if self._quantizes else None
         self._q_buffers = buffers if keep_buffers else None
         q_descale = _launch_q(call, buffers)[1]
@@ -132,25 +146,18 @@ class Planned:
         # run_with's bound on new cu_seqlens' sequences: the planned call's (callers key plans on it).
         self._max_seqlens = (call.max_seqlen_q, call.max_seqlen_k) if call.varlen else (None, None)
 
-    def _quantized(self, q: Tensor) -> Tuple[Tensor, Optional[Tensor]]:
-        """(the q to launch, its computed q_descale or None): q as it is, or quantized."""
-        if self._quantizes is None:
-            return q, None
-        heads_k, batch = self._quantizes
-        return quantize_q(q, heads_k, batch=batch, out=self._q_buffers)
-
     def run(self, q: Tensor, k: Tensor, v: Tensor, out: Tensor) -> Tuple[Tensor, Tensor]:
         if self._forward is not None:
-            return out, self._forward.run(self._quantized(q)[0], k, v, out)
+            return out, self._forward.run(_quantized(q, self._quantizes, self._q_buffers)[0], k, v, out)
         return self.run_any_out(q, k, v, out)
 
     def run_any_out(self, q: Tensor, k: Tensor, v: Tensor, out: Tensor) -> Tuple[Tensor, Tensor]:
-        return out, self._direct(q=self._quantized(q)[0], k=k, v=v, out=out, **self._lists, **self._bound)
+        return out, self._direct(q=_quantized(q, self._quantizes, self._q_buffers)[0], k=k, v=v, out=out, **self._lists, **self._bound)
 
     def run_with(self, q: Tensor, k: Tensor, v: Tensor, out: Optional[Tensor], blocks, tensors: dict) -> Tuple[Tensor, Tensor]:
         if out is None:
             out = _new_out(q, self._out_dtype)
-        q, q_descale = self._quantized(q)
+        q, q_descale = _quantized(q, self._quantizes, self._q_buffers)
         if q_descale is not None:
             tensors = dict(tensors, q_descale=q_descale)
         if self._forward is not None:  # the lists by name, written out: no dict built per call
@@ -184,7 +191,7 @@ def planned(call, splits: int, out: Tensor, graph_launch: Optional[bool] = None,
 def run(call, splits: int, out: Optional[Tensor] = None) -> Tuple[Tensor, Tensor]:
     """(out, lse) through the ops (traceable); a given `out` is written in place. A q the backend
     quantizes is quantized first (fp8.quantize_q)."""
-    q, q_descale = quantize_q(call.q, call.k.shape[-2], batch=call.batch) if call.quantizes_q else (call.q, None)
+    q, q_descale = _quantized(call.q, _quantizes(call))
     named = dict(q=q, k=call.k, v=call.v, **_call_args(call, splits, q_descale))
     if out is None:
         return fa3_ops.op()(**named)
