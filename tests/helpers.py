@@ -1,6 +1,5 @@
 """Shared test helpers: inputs, poisoning, and FlashAttention's tolerance convention."""
 
-import pytest
 import torch
 
 from flash_attn_sparse.reference import attention_ref, block_positions
@@ -145,14 +144,6 @@ def causal_lists(seqlen_q, seqlen_k, heads, block_size, q_block_size, density, r
         full.append(full_h)
         mask.append(mask_h)
     return full, mask
-
-
-def expect_fa3_nan_past_seqused_k(request, backend, page_size):
-    """FA-3 loads whole 128-key blocks by TMA: the tail block's keys past seqused_k enter the P.V
-    product with P = 0, so NaN kept there reaches the output (0 x NaN). Known failure, strict: it
-    must fail until the kernel zeroes those rows (pages under 128 keys load by cp.async, zero-filled)."""
-    if backend == "fa3" and page_size % 128 == 0:
-        request.applymarker(pytest.mark.xfail(strict=True, reason="FA-3 reads NaN kept past seqused_k in the tail block"))
 
 
 SKEWED_LIST_LENGTHS = (0, 1, 2, 3, 33, 70)  # empty, a few, and long lists side by side in one call

@@ -17,7 +17,7 @@ Profiles (the FLASH_ATTENTION_DISABLE_* variables of hopper/setup.py, patch flas
   (those two for sm90a alone: SM80 is off),
   and the sparse path (patches flash-attn-3/0002-0003): DEV_SPARSE_KERNELS (20 units, written by
   setup.py from generate_kernels_sparse.py) + flash_api_sparse.cpp, and cuda_driver_entry_points.cpp
-  (patch flash-attn-3/0011): 37 units in all.
+  (patch flash-attn-3/0012): 37 units in all.
 - full: upstream's FA-3 matrix.
 FLASH_ATTN_SPARSE_FP8=1 keeps the FP8 (e4m3) kernels in the dev profile, dense and sparse
 (DEV_FP8_KERNELS, 16 more units); the label then names the profile `dev.fp8`.

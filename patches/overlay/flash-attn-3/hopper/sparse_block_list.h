@@ -26,7 +26,7 @@ struct SparseBlockList {
     int num_full = 0;
     int num_entries = 0;
     int n_blocks_k = 0;
-    bool last_block_partial = false;  // the sequence's last key block holds fewer than kSparseBlockSize keys
+    int tail_keys = 0;  // keys in the sequence's last block (kSparseBlockSize unless partial)
 
     // Varlen: the kernel's flag. Its lists are in the varlen layout when cu_total_m_blocks is
     // given; a fixed-length call with seqused_k also runs the varlen kernel, over batched lists.
@@ -36,7 +36,7 @@ struct SparseBlockList {
         SparseBlockList list;
         int const seqlen_k = min(seqlen_k_used, p.max_keys);
         list.n_blocks_k = (seqlen_k + kSparseBlockSize - 1) / kSparseBlockSize;
-        list.last_block_partial = seqlen_k % kSparseBlockSize != 0;
+        list.tail_keys = seqlen_k - max(list.n_blocks_k - 1, 0) * kSparseBlockSize;
         int const head = bidh / p.head_ratio;
         int const row = m_block / p.tiles_per_row;
         auto clamped = [](int const *cnt, int const capacity) { return max(0, min(*cnt, capacity)); };
@@ -108,7 +108,12 @@ struct SparseBlockList {
     // Whether a listed id needs the sequence-end mask: out of range (masked out, i.e. skipped) or
     // the partial last block.
     CUTLASS_DEVICE bool reaches_end(int const block) const {
-        return !is_valid(block) || (last_block_partial && block == n_blocks_k - 1);
+        return !is_valid(block) || (tail_keys < kSparseBlockSize && block == n_blocks_k - 1);
+    }
+    // Keys of the listed block inside the sequence: the rows of its loaded V that P·V may read
+    // (none for an out-of-range id).
+    CUTLASS_DEVICE int keys_in(int const block) const {
+        return !is_valid(block) ? 0 : block == n_blocks_k - 1 ? tail_keys : kSparseBlockSize;
     }
     // One vote of the calling warp: whether any entry in [first, last] names a block that reaches
     // the sequence end. Lane i reads entries first + i, first + i + 32, ...
