@@ -117,8 +117,9 @@ def quantize_q(q: Tensor, heads_k: int, cu_seqlens_q: Optional[Tensor] = None, b
     group's largest finite magnitude in (224, 448]; q ~= q_e4m3 x q_descale within the error
     the module docstring states. NaN and +-inf in q become NaN in q_e4m3 (the scale ignores
     them), so they reach the output rows they reach in a 16-bit call. out: (q_e4m3, descale
-    rows) buffers of quantized_q_buffers to write into. Torch ops on q's device only: no host
-    sync, capturable in a CUDA graph."""
+    rows) buffers of quantized_q_buffers to write into. On a CUDA q one Triton launch (groups of
+    over 16k elements: an amax pass, then the quantize pass; fp8_triton), else torch ops: no
+    host sync, capturable in a CUDA graph."""
     varlen = q.dim() == 3
     if not varlen:
         batch = q.shape[0]
@@ -126,6 +127,18 @@ def quantize_q(q: Tensor, heads_k: int, cu_seqlens_q: Optional[Tensor] = None, b
         if cu_seqlens_q is None:
             raise TypeError("quantize_q: a varlen q needs cu_seqlens_q or batch")
         batch = cu_seqlens_q.shape[0] - 1
+    if q.is_cuda and not torch.compiler.is_compiling() and _triton_available() and \
+            (out is None or (out[0].is_contiguous() and out[1].is_contiguous())):
+        from .fp8_triton import quantize_into
+        q_e4m3, rows = out if out is not None else quantized_q_buffers(q, heads_k, batch)
+        quantize_into(q.contiguous(), heads_k, q_e4m3, rows, AMAX_FLOOR)
+        return q_e4m3, descale_of_rows(rows, batch)
+    return _quantize_q_torch(q, heads_k, batch, out)
+
+
+def _quantize_q_torch(q: Tensor, heads_k: int, batch: int, out: Optional[Tuple[Tensor, Tensor]]) -> Tuple[Tensor, Tensor]:
+    """quantize_q in torch ops (CPU, torch.compile, no Triton); fp8_triton's kernels equal it bitwise."""
+    varlen = q.dim() == 3
     group = q.shape[-2] // heads_k
     grouped = q.unflatten(-2, (heads_k, group))  # (..., heads_k, group, head_dim)
     reduced = (1, 3, 4) if not varlen else (0, 2, 3)
@@ -135,19 +148,37 @@ def quantize_q(q: Tensor, heads_k: int, cu_seqlens_q: Optional[Tensor] = None, b
     else:
         amax = grouped.abs().nan_to_num_(nan=0.0, posinf=0.0).amax(dim=reduced).float()
     amax = torch.where(amax >= AMAX_FLOOR, amax, E4M3_MAX)
-    # A power of two: q x scale is exact (in bfloat16, whose exponent range is float32's; fp16's
-    # is too narrow for the scale, so float32 there) and descale = 1 / scale exactly.
-    scale = torch.exp2(torch.floor(torch.log2(E4M3_MAX / amax)))
+    # The largest power of two s with amax x s <= 448, from amax = m x 2^E, m in [0.5, 1): 2^(8 - E)
+    # for m > 0.875, else 2^(9 - E). Built from its exponent bits, so s and 1 / s are exact, and
+    # q x s is exact (in bfloat16, whose exponent range is float32's; fp16's is too narrow for s,
+    # so float32 there).
+    mantissa, exponent = torch.frexp(amax)
+    power = (torch.where(mantissa > 0.875, 8, 9) - exponent).to(torch.int32)
+    scale = ((power + 127) << 23).view(torch.float32)
     work = torch.bfloat16 if q.dtype == torch.bfloat16 else torch.float32
     view = (q.shape[0], 1, heads_k, 1, 1) if not varlen else (1, heads_k, 1, 1)
     scaled = grouped * scale.to(work).view(view)
     # NaN explicitly: some torch releases saturate +-inf to +-448 when casting to e4m3fn.
     scaled = scaled.masked_fill(~torch.isfinite(scaled), float("nan"))
+    descale = ((127 - power) << 23).view(torch.float32)
     if out is None:
         q_e4m3 = scaled.to(FP8_DTYPE, memory_format=torch.contiguous_format).flatten(-3, -2)
-        rows = scale.reciprocal()
+        rows = descale
     else:
         q_e4m3, rows = out
         q_e4m3.unflatten(-2, (heads_k, group)).copy_(scaled)
-        torch.reciprocal(scale, out=rows)
+        rows.copy_(descale)
     return q_e4m3, descale_of_rows(rows, batch)
+
+
+_TRITON = {}
+
+
+def _triton_available() -> bool:
+    if "ok" not in _TRITON:
+        try:
+            import triton  # noqa: F401
+            _TRITON["ok"] = True
+        except ImportError:
+            _TRITON["ok"] = False
+    return _TRITON["ok"]

@@ -10,8 +10,8 @@ Paged calls pass the page table and seqused_k and no cu_seqlens_k (the op's page
 upstream's): a varlen paged call's key counts are its seqused_k, which fa3_ops.refusal asks for.
 
 FP8 (float8_e4m3fn K/V) calls pass their descales to the op, which writes a bfloat16 out. The op
-takes e4m3 q, k and v alike, so a 16-bit q is quantized first (fp8.quantize_q, torch ops on the
-GPU) and planned over an e4m3 q and q_descale laid out as quantize_q writes them.
+takes e4m3 q, k and v alike, so a 16-bit q is quantized first (fp8.quantize_q, one Triton
+launch at decode) and planned over an e4m3 q and q_descale laid out as quantize_q writes them.
 """
 
 from typing import Optional, Tuple
