@@ -13,7 +13,7 @@ Times are graph replays (ms, median), lists rotating past L2, plus eager ms and 
 of fp8_sparse_q8 and fp8_dense_listed against an fp32 reference over the dequantized inputs,
 their ratio (the contract: <= 1.5), and the bf16-vs-FP8 output difference.
 
-    python benchmarks/bench_fp8.py [--shapes "Sq16,prefill"] [--passes 2] [--out benchmarks/results/h100]
+    python benchmarks/bench_fp8.py [--shapes "Sq16,prefill"] [--passes 2] [--out DIR]   (writes fp8.json, fp8.md)
 """
 
 import argparse
@@ -143,7 +143,7 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--shapes", help="comma-separated substrings of 'shape-name density' (default: all)")
     parser.add_argument("--passes", type=int, default=2)
-    parser.add_argument("--out", type=Path, help="folder for <date>-<commit>-fp8.json and .md")
+    parser.add_argument("--out", type=Path, help="folder for fp8.json and fp8.md")
     args = parser.parse_args()
     parts = [p.strip() for p in args.shapes.split(",")] if args.shapes else None
     shapes = [s for s in SHAPES if parts is None or any(p in f"{s.name} {s.density:.4g}" for p in parts)]
@@ -157,11 +157,10 @@ def main():
     print(table)
     if args.out:
         args.out.mkdir(parents=True, exist_ok=True)
-        stem = args.out / f"{time.strftime('%Y-%m-%d')}-{bs.source_commit()}-fp8"
-        stem.with_suffix(".json").write_text(json.dumps(dict(gpu=torch.cuda.get_device_name(), commit=bs.source_commit(),
-                                                             rows=rows, accuracy=accuracy), indent=1))
-        stem.with_suffix(".md").write_text(f"# FP8 sparse on fa3: {torch.cuda.get_device_name()}, {bs.source_commit()}\n\n"
-                                           f"`python benchmarks/bench_fp8.py --passes {args.passes}`\n\n{table}\n")
+        commit, gpu, date = bs.source_commit(), torch.cuda.get_device_name(), time.strftime("%Y-%m-%d")
+        (args.out / "fp8.json").write_text(json.dumps(dict(gpu=gpu, commit=commit, date=date, rows=rows, accuracy=accuracy), indent=1))
+        (args.out / "fp8.md").write_text(f"# FP8 sparse on fa3: {gpu}, {date}, {commit}\n\n"
+                                         f"`python benchmarks/bench_fp8.py --passes {args.passes}`\n\n{table}\n")
 
 
 if __name__ == "__main__":

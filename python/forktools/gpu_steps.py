@@ -99,6 +99,11 @@ def engine_bench(session) -> str:
     return f"engine bench: {'engine.md' if (session.out / 'engine.md').exists() else 'FAILED (see logs/engine.log)'}"
 
 
+def fp8_bench(session) -> str:
+    session.run([PY, "benchmarks/bench_fp8.py", "--out", session.out], output=session.logs / "fp8.log", timeout=600)
+    return f"fp8 bench: {'fp8.md' if (session.out / 'fp8.md').exists() else 'FAILED (see logs/fp8.log)'}"
+
+
 def mutation(session) -> str:
     return mutant_must_fail(session, "mutant", "tests/mutations/v-steps-densely.patch",
                             "tests/backends/test_stage3_sparse_fa2.py", "-k", "permuted or tail_block_in_the_middle")
@@ -574,6 +579,8 @@ STEPS = {
     "host-time": ("benchmarks/host_time.py: where plan.run's and the one-shot call's host time goes, per backend", host_time),
     "gqa-sweep": ("benchmarks/bench_gqa.py: every GQA group at decode against dense FA-3 over the listed keys: gqa.md, "
                   "gqa.json (--gqa-args)", gqa_sweep),
+    "fp8-bench": ("benchmarks/bench_fp8.py: FP8 sparse on fa3 against bf16 sparse and dense FA-3 FP8 over the listed "
+                  "keys, with accuracy: fp8.md, fp8.json (needs a FLASH_ATTN_SPARSE_FP8=1 build)", fp8_bench),
     "engine-bench": ("benchmarks/bench_engine.py: the engine-shaped paged varlen call on fa3, fa2 and auto, and fa3 over "
                      "contiguous K/V, per page size: engine.md, engine.json", engine_bench),
     "gqa-mutation": ("build with packed rows mapped to the wrong head: the GQA contract tests on fa2 must fail",
