@@ -36,7 +36,7 @@ def test_list_names_every_step_with_one_line_of_help(capsys):
     assert [line.split()[0] for line in lines] == list(gpu_steps.STEPS)
     new_steps = ["fuzz", "upstream-fa2", "example", "upstream-fa3", "distributed", "client-bench", "bench-pristine-fa4", "host-time",
                  "sanitize-fuzz", "fa3-variants", "host-profile", "ncu-fa3-prefill", "ncu-fa3-decode", "gqa-sweep", "gqa-mutation",
-                 "fa3-paged-mutation", "engine-bench"]
+                 "fa3-paged-mutation", "engine-bench", "fp8-bench"]
     assert set(SHELL_STEPS + new_steps) == set(gpu_steps.STEPS)
     assert all(len(line.split(maxsplit=1)) == 2 for line in lines)
 
