@@ -377,7 +377,11 @@ SparseLaunch prepare_sparse(
 // The forward and, for a split call, the combine.
 void launch_kernels(Flash_fwd_params &params, cudaStream_t stream) {
     run_sparse(params, stream);
-    if (params.num_splits > 1) { run_mha_fwd_combine(params, stream, false /*enable_pdl*/); }
+    if (params.num_splits > 1) {
+        // The combine picks its out type from is_bf16 (else fp16): an e4m3 call writes bf16 out.
+        if (params.is_e4m3) { params.is_bf16 = true; }
+        run_mha_fwd_combine(params, stream, false /*enable_pdl*/);
+    }
 }
 
 // Runs a prepared forward into `out`, whose pointer and strides its parameters hold.
