@@ -1,6 +1,6 @@
 """fp8.quantize_q on a CUDA q in one Triton launch (an amax pass and a quantize pass where a
-(sequence, K/V head) group is large), bitwise equal to its torch form, whose dozen small kernels
-would cost more than the FP8 decode kernel saves. Used on a CUDA q outside torch.compile (whose
+(sequence, K/V head) group is large) where its torch form takes a dozen small kernels, each a
+launch at decode; bitwise equal to the torch form. Used on a CUDA q outside torch.compile (whose
 own fusion takes the torch form).
 
 The scale rule, from amax's float32 bits: amax = m x 2^E with m in [0.5, 1); the largest power
