@@ -1,6 +1,6 @@
 """FA-3's FP8 (float8_e4m3fn) sparse forward on the GPU, through the public API: against an fp32
 reference over the dequantized inputs (what the kernel reads: stored e4m3 value x descale), with
-an error no worse than 1.5x dense FA-3 FP8's (flash_attn_interface.flash_attn_func over K/V
+out and LSE errors no worse than 1.5x dense FA-3 FP8's (flash_attn_interface's forward over K/V
 gathered to exactly the listed keys, on the same e4m3 inputs and descales).
 
 Lists are permuted and gapped per table head, V is distinct per block, and K/V take a different
@@ -35,7 +35,7 @@ def _skip_reason():
     if "FP8" in fa3_ops.disabled() or "q_descale" not in str(fa3_ops.op()._schema):
         return NO_FP8
     try:
-        from flash_attn_interface import flash_attn_func  # noqa: F401  (dense FA-3: the error baseline)
+        from flash_attn_interface import _flash_attn_forward  # noqa: F401  (dense FA-3: the error baseline)
     except Exception as error:
         return f"flash_attn_interface (the flash_attn_3 wheel's dense forward) is not importable: {error}"
     return None
@@ -102,22 +102,25 @@ def gather_per_query_head(x8, rows, heads):
     return torch.stack(per_b).view(FP8_DTYPE)
 
 
-def dense_fp8_error(q8, q_descale, k8, k_descale, v8, v_descale, full, mask, causal, scale, ref_out):
-    """The error of dense FA-3 FP8 over each query head's listed keys (full ids, then mask ids:
-    the diagonal block last, so that its bottom-right causal mask is the sparse call's) against
-    ref_out; K/V repeated per query head there, and the descales over each K/V head's group."""
-    from flash_attn_interface import flash_attn_func
+def dense_fp8_errors(q8, q_descale, k8, k_descale, v8, v_descale, full, mask, causal, scale, ref_out, ref_lse):
+    """The out and LSE errors of dense FA-3 FP8 over each query head's listed keys (full ids, then
+    mask ids: the diagonal block last, so that its bottom-right causal mask is the sparse call's)
+    against the reference; K/V repeated per query head there, and the descales over each K/V
+    head's group. Its _flash_attn_forward, as flash_attn_func returns out alone."""
+    from flash_attn_interface import _flash_attn_forward
     heads, seqlen_k = q8.shape[2], k8.shape[1]
     group = heads // k8.shape[2]
     ids = [[row + (mask[b][hs] if mask else []) for hs, row in enumerate(per_b)] for b, per_b in enumerate(full)]
     rows = [[block_positions(row, BLOCK, seqlen_k) for row in per_b] for per_b in ids]
     assert len({len(row) for per_b in rows for row in per_b}) == 1, "the dense baseline needs lists of one length"
     per_head = lambda descale: descale.repeat_interleave(group, dim=1).contiguous()  # noqa: E731
-    out = flash_attn_func(q8, gather_per_query_head(k8, rows, heads), gather_per_query_head(v8, rows, heads),
-                          softmax_scale=scale, causal=causal, q_descale=per_head(q_descale),
-                          k_descale=per_head(k_descale), v_descale=per_head(v_descale))
-    out = out[0] if isinstance(out, tuple) else out
-    return max_err(out, ref_out)
+    none = dict.fromkeys(("k_new", "v_new", "qv", "out", "cu_seqlens_q", "cu_seqlens_k", "cu_seqlens_k_new", "seqused_q",
+                          "seqused_k", "max_seqlen_q", "max_seqlen_k", "page_table", "kv_batch_idx", "leftpad_k",
+                          "rotary_cos", "rotary_sin", "seqlens_rotary"))
+    out, lse, *_ = _flash_attn_forward(q=q8, k=gather_per_query_head(k8, rows, heads), v=gather_per_query_head(v8, rows, heads),
+                                       q_descale=per_head(q_descale), k_descale=per_head(k_descale),
+                                       v_descale=per_head(v_descale), softmax_scale=scale, causal=causal, **none)
+    return max_err(out, ref_out), max_err(lse, ref_lse)
 
 
 def check_against_dense(out, lse, q8, q_descale, kv, full, mask=None, causal=False):
@@ -128,9 +131,11 @@ def check_against_dense(out, lse, q8, q_descale, kv, full, mask=None, causal=Fal
     assert out.dtype == torch.bfloat16 and lse.dtype == torch.float32
     assert not torch.isnan(out).any() and not torch.isnan(lse).any()
     err = max_err(out, ref_out)
-    dense_err = dense_fp8_error(q8, q_descale, k8, k_descale, v8, v_descale, full, mask, causal, scale, ref_out)
+    dense_err, dense_lse_err = dense_fp8_errors(q8, q_descale, k8, k_descale, v8, v_descale, full, mask, causal, scale,
+                                                ref_out, ref_lse)
     assert err <= 1.5 * dense_err + 1e-5, f"sparse FP8 error {err:.3e} > 1.5 x dense FA-3 FP8's {dense_err:.3e}"
-    assert max_err(lse, ref_lse) <= 2e-2, f"LSE error {max_err(lse, ref_lse):.3e}"
+    lse_err = max_err(lse, ref_lse)  # e4m3's rounding of q and k moves large logits: judged against dense FP8's
+    assert lse_err <= 1.5 * dense_lse_err + 1e-3, f"LSE error {lse_err:.3e} > 1.5 x dense FA-3 FP8's {dense_lse_err:.3e}"
     return err, dense_err
 
 
