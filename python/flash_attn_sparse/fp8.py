@@ -12,6 +12,8 @@ largest magnitude (amax) in (224, 448], so no element saturates, and one below e
 range is off by at most 2^-10 x descale; every element is off by at most 2^-4 x amax.
 """
 
+import functools
+import importlib.util
 from typing import Optional, Tuple, Union
 
 import torch
@@ -171,14 +173,6 @@ def _quantize_q_torch(q: Tensor, heads_k: int, batch: int, out: Optional[Tuple[T
     return q_e4m3, descale_of_rows(rows, batch)
 
 
-_TRITON = {}
-
-
+@functools.lru_cache(maxsize=None)
 def _triton_available() -> bool:
-    if "ok" not in _TRITON:
-        try:
-            import triton  # noqa: F401
-            _TRITON["ok"] = True
-        except ImportError:
-            _TRITON["ok"] = False
-    return _TRITON["ok"]
+    return importlib.util.find_spec("triton") is not None

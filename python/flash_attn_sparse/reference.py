@@ -65,6 +65,14 @@ def attention_over_blocks(q: Tensor, k: Tensor, v: Tensor, blocks: Sequence[int]
     return attention_ref(q, k_sel, v_sel, visible, softmax_scale, dtype)
 
 
+def quantize_per_kv_head(x: Tensor) -> Tuple[Tensor, Tensor]:
+    """(x in float8_e4m3fn, descale (batch, heads_k) float32) of K or V (batch, seqlen, heads_k,
+    dim): one scale per (batch, K/V head) putting its largest magnitude at 448 (not a power of
+    two, as a serving engine's K/V scales need not be); dequantize inverts it."""
+    descale = x.float().abs().amax(dim=(1, 3)).clamp_min(1e-6) / 448.0
+    return (x.float() / descale[:, None, :, None]).to(torch.float8_e4m3fn), descale
+
+
 def dequantize(x: Tensor, descale: Tensor, cu_seqlens: Optional[Tensor] = None,
                dtype: torch.dtype = torch.float32) -> Tensor:
     """The real values of an FP8 (float8_e4m3fn) tensor: x (batch, seqlen, heads_x, dim), or

@@ -20,7 +20,7 @@ from flash_attn_sparse import SparseBlocks
 from flash_attn_sparse.backends import fa3_ops
 from flash_attn_sparse.fp8 import FP8_DTYPE, quantize_q
 from flash_attn_sparse.metadata import pack_varlen_lists
-from flash_attn_sparse.reference import attention_ref, block_positions, dequantize, visibility_from_lists
+from flash_attn_sparse.reference import attention_ref, block_positions, dequantize, quantize_per_kv_head, visibility_from_lists
 from helpers import max_err
 
 BLOCK = 128
@@ -48,12 +48,6 @@ pytestmark = [pytest.mark.gpu, pytest.mark.sm90, pytest.mark.stage4,
 
 # --- inputs -------------------------------------------------------------------------------------
 
-def to_e4m3(x):
-    """(x in e4m3, descale (batch, heads_k) float32): one scale per (batch, K/V head), not a power of two."""
-    descale = x.abs().amax(dim=(1, 3)).clamp_min(1e-6) / 448.0
-    return (x / descale[:, None, :, None]).to(FP8_DTYPE), descale.float()
-
-
 def fp8_kv(batch, seqlen_k, heads_k, head_dim, gen):
     """e4m3 K and V and their descales: a magnitude per (batch, K/V head) from 0.1 to 10 (so that
     each descale entry differs), V distinct per block (off by whole units where the wrong block is read)."""
@@ -61,7 +55,7 @@ def fp8_kv(batch, seqlen_k, heads_k, head_dim, gen):
     k = torch.randn(batch, seqlen_k, heads_k, head_dim, device="cuda", generator=gen) * magnitude
     block = (torch.arange(seqlen_k, device="cuda") // BLOCK).view(1, -1, 1, 1)
     v = (torch.randn(batch, seqlen_k, heads_k, head_dim, device="cuda", generator=gen) + 0.75 * (block % 5 - 2)) * magnitude
-    return (*to_e4m3(k), *to_e4m3(v))
+    return (*quantize_per_kv_head(k), *quantize_per_kv_head(v))
 
 
 def random_q(batch, seqlen_q, heads, head_dim, gen):
