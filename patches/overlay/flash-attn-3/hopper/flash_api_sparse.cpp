@@ -300,6 +300,8 @@ SparseLaunch prepare_sparse(
                      varlen ? cu_seqlens_q->data_ptr() : nullptr, cu_seqlens_k.has_value() ? cu_seqlens_k->data_ptr() : nullptr,
                      nullptr /*seqused_q*/, seqused_k.has_value() ? seqused_k->data_ptr() : nullptr, softmax_lse.data_ptr(), 0.f, float(softmax_scale),
                      -1 /*window_size_left*/, causal ? 0 : -1 /*window_size_right*/, 0 /*attention_chunk*/, 0.f, 0);
+    // is_bf16 names the out type for the combine (else fp16); e4m3 inputs write bf16 out.
+    params.is_bf16 = out_dtype_of(q) == at::kBFloat16;
     params.total_q = total_q;
     params.total_k = total_k;
     params.b_k = batch_size;
@@ -378,8 +380,6 @@ SparseLaunch prepare_sparse(
 void launch_kernels(Flash_fwd_params &params, cudaStream_t stream) {
     run_sparse(params, stream);
     if (params.num_splits > 1) {
-        // The combine picks its out type from is_bf16 (else fp16): an e4m3 call writes bf16 out.
-        if (params.is_e4m3) { params.is_bf16 = true; }
         run_mha_fwd_combine(params, stream, false /*enable_pdl*/);
     }
 }
