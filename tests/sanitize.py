@@ -433,7 +433,11 @@ def fuzz_subset_command(argv) -> list:
 
 def raw_dir(argv):
     """--raw DIR: where each tool's whole output is written (the GPU runner's logs)."""
-    return argv[argv.index("--raw") + 1] if "--raw" in argv else None
+    if "--raw" not in argv:
+        return None
+    directory = Path(argv[argv.index("--raw") + 1])
+    directory.mkdir(parents=True, exist_ok=True)
+    return str(directory)
 
 
 if __name__ == "__main__":

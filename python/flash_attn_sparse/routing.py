@@ -5,11 +5,11 @@ capture and under torch.compile, so a call validated eagerly runs the same kerne
 | GPU | call | backend |
 |---|---|---|
 | sm90 + flash_attn_3 built with FP8 | float8_e4m3fn K/V that FA-3 takes (else refused: no other backend has FP8 kernels) | fa3 |
-| sm90 + flash_attn_3 | FA-3 takes it, K/V contiguous without seqused_k; >= 128 query rows per sequence, or it packs GQA query heads | fa3 |
+| sm90 + flash_attn_3 | FA-3 takes it, K/V contiguous or in 128-key pages or larger; >= 128 query rows a sequence, or packed GQA | fa3 |
 | any | every other (16-bit) call | fa2 |
 
-Paged and seqused_k calls stay on FA-2 until FA-3's paged path is timed against it (backend="fa3"
-runs them on FA-3).
+Pages of fewer than 128 keys stay on FA-2: FA-3 reads them with cp.async loads (a full build's
+units) that have not been timed against FA-2 (backend="fa3" runs them).
 
 fa4 runs on request only (backend="fa4"): under graph replay it can lead at decode, but its host
 time per eager call (flash-attn-4's Python dispatch) is many times a decode kernel's, so no one
@@ -23,6 +23,7 @@ from .calls import SparseCall
 from .metadata import SparseInputError, fail
 
 FA3_MIN_QUERY_ROWS = 128  # one FA-3 tile of query rows per sequence: prefill-shaped
+FA3_TMA_PAGE_KEYS = 128  # pages of whole key blocks: FA-3 loads them by TMA, timed as fast as contiguous K/V
 
 
 def choose(call: SparseCall) -> Tuple[str, str]:
@@ -58,8 +59,8 @@ def runs_somewhere(call: SparseCall) -> bool:
 def fa3_reason(call: SparseCall) -> Optional[str]:
     """Why auto sends this call to fa3, or None: prefill-shaped, or decode whose GQA query heads
     FA-3 packs (where it packs, it led fa2 at every packed row count measured), and FA-3 takes it."""
-    if call.page_table is not None or call.seqused_k is not None:
-        return None  # FA-3's paged / seqused_k path is not yet timed against FA-2's
+    if call.page_table is not None and call.k.shape[1] % FA3_TMA_PAGE_KEYS:
+        return None  # FA-3's cp.async paged loads are untimed against FA-2's
     rows = query_rows(call)
     if rows >= FA3_MIN_QUERY_ROWS:
         why = f"{rows:g} query rows per sequence"

@@ -67,17 +67,28 @@ def test_groups_that_do_not_divide_the_tile_pack_on_fa3_too(builds, group, seqle
     assert routing.choose(decode)[0] == "fa3"
 
 
-def test_paged_and_seqused_k_calls_stay_on_fa2_until_fa3_is_timed_there(builds):
-    """FA-3 takes them (builds.fa3 None), yet auto keeps them on FA-2; backend="fa3" runs them."""
-    for shape, blocks in ((PREFILL, 32), (DECODE, 16)):
+def paged(plain, page_size):
+    """The call over a paged cache of `page_size` keys a page (routing reads the layout, not the ids)."""
+    cache = torch.zeros(plain.batch * -(-plain.k.shape[1] // page_size), page_size, *plain.k.shape[2:], dtype=plain.k.dtype)
+    return plain.rebind(k=cache, v=cache, page_table=torch.zeros(plain.batch, 1, dtype=torch.int32))
+
+
+def test_paged_calls_in_pages_of_whole_blocks_and_seqused_k_calls_route_as_contiguous_ones(builds):
+    for shape, blocks, contiguous_choice in ((PREFILL, 32, "fa3"), (DECODE, 16, "fa3"), (dict(DECODE, heads=8), 16, "fa2")):
         plain = call(**shape, list_blocks=blocks)
-        assert routing.choose(plain)[0] == "fa3"
+        assert routing.choose(plain)[0] == contiguous_choice
         seqused = plain.rebind(seqused_k=torch.full((plain.batch,), 100, dtype=torch.int32))
-        paged = plain.rebind(page_table=torch.zeros(plain.batch, 1, dtype=torch.int32))  # routing reads only its presence
-        for gated in (seqused, paged):
-            assert routing.choose(gated)[0] == "fa2"
-            gated.requested_backend = "fa3"
-            assert routing.choose(gated) == ("fa3", "requested")
+        for same in (seqused, paged(plain, 128), paged(plain, 256)):
+            assert routing.choose(same)[0] == contiguous_choice
+
+
+@pytest.mark.parametrize("page_size", [16, 32, 64])
+def test_pages_smaller_than_a_block_stay_on_fa2_unless_fa3_is_requested(builds, page_size):
+    """FA-3 reads such pages with cp.async loads, untimed against FA-2; backend="fa3" runs them."""
+    small = paged(call(**PREFILL, list_blocks=32), page_size)
+    assert routing.choose(small)[0] == "fa2"
+    small.requested_backend = "fa3"
+    assert routing.choose(small) == ("fa3", "requested")
 
 
 def test_fa4_runs_on_request_only(builds):
