@@ -4,7 +4,8 @@ For each batch, query length, GQA group (query heads per K/V head; 8 K/V heads),
 density, per-K/V-head lists (the last block and a random choice of the rest, 4 rotating sets),
 it times `auto`, backend="fa3" and backend="fa2" through the public call, and dense FA-3
 (flash_attn_3's flash_attn_func, PackGQA on, its own split heuristic) over K/V gathered to the
-listed keys: CUDA-graph replay with L2 flushed before every replay (median of the replays), and
+listed keys, and that dense call in the sparse path's 128-key steps (FA-3 steps non-causal
+hdim-128 keys by 176; bench_sparse.fa3_dense_128): CUDA-graph replay with L2 flushed before every replay (median of the replays), and
 eager back-to-back calls for `auto` and dense FA-3. Every point runs its methods in two passes
 one after the other; a ratio's passes show the spread.
 
@@ -27,7 +28,18 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import flash_attn_sparse as fas  # noqa: E402
-from bench_sparse import ROTATIONS, Shape, eager_pass, fa3_dense_forward, listed_kv, make_lists, rotating, source_commit, to_blocks  # noqa: E402
+from bench_sparse import (  # noqa: E402
+    ROTATIONS,
+    Shape,
+    eager_pass,
+    fa3_dense_128,
+    fa3_dense_forward,
+    listed_kv,
+    make_lists,
+    rotating,
+    source_commit,
+    to_blocks,
+)
 
 HEADS_K, HEAD_DIM = 8, 128
 REPLAYS = 40  # graph replays per method and pass, L2 flushed before each
@@ -123,6 +135,11 @@ def measure_point(point: Point, q, k, v, blocks, listed, dense, flush) -> Point:
     methods = {name: [lambda b=b, name=name: fas.flash_attn_with_sparse_block_table(q, k, v, b, backend=name)
                       for b in blocks] for name in ("auto", "fa3", "fa2")}
     methods["dense_fa3_listed"] = [lambda kl=kl, vl=vl: dense(q, kl, vl) for kl, vl in listed]
+    dense_128 = fa3_dense_128(q, point.seqlen_q)
+    if isinstance(dense_128, str):
+        point.graph_us["dense_fa3_listed_128"] = dense_128
+    else:
+        methods["dense_fa3_listed_128"] = [lambda kl=kl, vl=vl: dense_128(kl, vl) for kl, vl in listed]
     for _ in range(PASSES):
         for name, calls in methods.items():
             try:
@@ -149,6 +166,8 @@ def summary_line(point: Point) -> str:
     for method in ("auto", "fa3", "fa2"):
         r = ratio(point, method)
         parts.append(f"{method} {r[0]:.3f} ({'/'.join(f'{x:.3f}' for x in r[1])})" if r else f"{method} -")
+    r = ratio(point, "fa3", "dense_fa3_listed_128")
+    parts.append(f"fa3/dense-128 {r[0]:.3f}" if r else "fa3/dense-128 -")
     r = ratio(point, "auto", eager=True)
     parts.append(f"eager auto {r[0]:.3f}" if r else "eager auto -")
     dense = point.graph_us.get("dense_fa3_listed")
@@ -159,25 +178,29 @@ def summary_line(point: Point) -> str:
 def markdown(points, gpu: str, commit: str) -> str:
     lines = [f"# GQA sweep, {gpu}, {time.strftime('%Y-%m-%d')}, commit {commit}", "",
              "Time over dense FA-3 over exactly the listed keys (PackGQA on), graph replay with L2 flushed "
-             "before each replay, median of two passes (each pass's ratio in the JSON); eager: back-to-back calls.", "",
-             "| group | points | auto worst (graph) | fa3 worst | fa2 worst | eager auto worst | worst auto point |",
-             "|---|---|---|---|---|---|---|"]
+             "before each replay, median of two passes (each pass's ratio in the JSON); eager: back-to-back calls. "
+             "128-key: fa3 over the same dense call in the sparse path's 128-key steps.", "",
+             "| group | points | auto worst (graph) | fa3 worst | fa2 worst | eager auto worst | fa3 / 128-key worst | worst auto point |",
+             "|---|---|---|---|---|---|---|---|"]
     for group in sorted({p.group for p in points}):
         of_group = [p for p in points if p.group == group]
         worst = {}
-        for key, method, eager in (("auto", "auto", False), ("fa3", "fa3", False), ("fa2", "fa2", False),
-                                   ("eager", "auto", True)):
-            values = [(r[0], p.name) for p in of_group if (r := ratio(p, method, eager=eager))]
+        for key, method, peer, eager in (("auto", "auto", "dense_fa3_listed", False), ("fa3", "fa3", "dense_fa3_listed", False),
+                                         ("fa2", "fa2", "dense_fa3_listed", False), ("eager", "auto", "dense_fa3_listed", True),
+                                         ("fa3_128", "fa3", "dense_fa3_listed_128", False)):
+            values = [(r[0], p.name) for p in of_group if (r := ratio(p, method, peer, eager=eager))]
             worst[key] = max(values) if values else (float("nan"), "-")
         lines.append(f"| {group} | {len(of_group)} | {worst['auto'][0]:.3f} | {worst['fa3'][0]:.3f} | {worst['fa2'][0]:.3f} | "
-                     f"{worst['eager'][0]:.3f} | {worst['auto'][1]} |")
-    lines += ["", "| point | auto runs | auto | fa3 | fa2 | eager auto | dense FA-3 us |", "|---|---|---|---|---|---|---|"]
+                     f"{worst['eager'][0]:.3f} | {worst['fa3_128'][0]:.3f} | {worst['auto'][1]} |")
+    lines += ["", "| point | auto runs | auto | fa3 | fa2 | eager auto | fa3 / 128-key | dense FA-3 us |",
+              "|---|---|---|---|---|---|---|---|"]
     for p in points:
         cells = [f"{r[0]:.3f}" if (r := ratio(p, m)) else "-" for m in ("auto", "fa3", "fa2")]
-        eager = ratio(p, "auto", eager=True)
+        eager, per_128 = ratio(p, "auto", eager=True), ratio(p, "fa3", "dense_fa3_listed_128")
         dense = p.graph_us.get("dense_fa3_listed")
+        dense_us = f"{statistics.median(dense):.1f}" if isinstance(dense, list) else "-"
         lines.append(f"| {p.name} | {p.auto_backend} | {' | '.join(cells)} | {f'{eager[0]:.3f}' if eager else '-'} | "
-                     f"{f'{statistics.median(dense):.1f}' if isinstance(dense, list) else '-'} |")
+                     f"{f'{per_128[0]:.3f}' if per_128 else '-'} | {dense_us} |")
     return "\n".join(lines) + "\n"
 
 
