@@ -21,6 +21,8 @@ Profiles (the FLASH_ATTENTION_DISABLE_* variables of hopper/setup.py, patch flas
 - full: upstream's FA-3 matrix.
 FLASH_ATTN_SPARSE_FP8=1 keeps the FP8 (e4m3) kernels in the dev profile, dense and sparse
 (DEV_FP8_KERNELS, 16 more units); the label then names the profile `dev.fp8`.
+FLASH_ATTN_SPARSE_PAGED=1 keeps the cp.async paged kernels (pages of fewer than 128 keys; 20 more
+units, 30 with FP8); the label then ends in `.paged`.
 """
 
 from __future__ import annotations
@@ -58,24 +60,32 @@ DEV_SPARSE_KERNELS = [f"flash_fwd_hdim{d}_{t}{packgqa}{split}{rows}_sparse_sm90.
 DEV_FP8_KERNELS = ([f"flash_fwd_hdim{d}_e4m3{kind}_sm90.cu" for d in (64, 128) for kind in ("", "_split", "_packgqa")]
                    + [name.replace("_bf16", "_e4m3") for name in DEV_SPARSE_KERNELS if "_bf16" in name])
 PROFILES = {"dev": {f"FLASH_ATTENTION_DISABLE_{flag}": "TRUE" for flag in DEV_OFF}, "full": {}}
+# FLASH_ATTN_SPARSE_PAGED=1 adds these (and, with FP8 too, their e4m3 twins): upstream's cp.async
+# paged kernels (dense FA-3's dispatch links them) and the packed sparse ones.
+DEV_PAGED_KERNELS = ([f"flash_fwd_hdim{d}_{t}_paged{split}_sm90.cu" for d in (64, 128) for t in ("bf16", "fp16")
+                      for split in ("", "_split")]
+                     + [name.replace("_packgqa", "_paged_packgqa") for name in DEV_SPARSE_KERNELS if "_packgqa" in name])
 FP8_OPTION = "FLASH_ATTN_SPARSE_FP8"  # "1": the dev profile keeps the FP8 kernels
+PAGED_OPTION = "FLASH_ATTN_SPARSE_PAGED"  # "1": the dev profile keeps the cp.async paged kernels
+DEV_OPTIONS = {FP8_OPTION: ("fp8", "FP8"), PAGED_OPTION: ("paged", "PAGEDKV")}  # option: (label part, flag lifted)
 
 
-def _dev_with_fp8(profile: str) -> bool:
-    return profile == "dev" and os.environ.get(FP8_OPTION, "") == "1"
+def _dev_options(profile: str) -> list[str]:
+    """The DEV_OPTIONS set to "1" (in their fixed order); the full profile has every kernel already."""
+    return [option for option in DEV_OPTIONS if profile == "dev" and os.environ.get(option, "") == "1"]
 
 
 def profile_env(profile: str) -> dict:
-    """The DISABLE flags setup.py builds `profile` under (FP8_OPTION lifts dev's FP8 one)."""
+    """The DISABLE flags setup.py builds `profile` under (each DEV_OPTIONS entry set lifts its flag)."""
     env = dict(PROFILES[profile])
-    if _dev_with_fp8(profile):
-        del env["FLASH_ATTENTION_DISABLE_FP8"]
+    for option in _dev_options(profile):
+        del env[f"FLASH_ATTENTION_DISABLE_{DEV_OPTIONS[option][1]}"]
     return env
 
 
 def profile_name(profile: str) -> str:
-    """The profile as the label names it: `dev.fp8` for dev with FP8_OPTION."""
-    return f"{profile}.fp8" if _dev_with_fp8(profile) else profile
+    """The profile as the label names it: `dev.fp8`, `dev.paged`, `dev.fp8.paged` with the options."""
+    return ".".join([profile] + [DEV_OPTIONS[option][0] for option in _dev_options(profile)])
 
 
 def wheel_glob(label: str) -> str:

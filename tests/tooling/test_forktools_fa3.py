@@ -81,21 +81,23 @@ def patched_hopper(tmp_path_factory) -> Path:
     return scratch / "flash-attn-3" / "hopper"
 
 
-@pytest.mark.parametrize("fp8", [False, True])
-def test_dev_kernels_are_what_the_patched_setup_compiles(patched_hopper: Path, tmp_path, monkeypatch, fp8: bool):
+@pytest.mark.parametrize("fp8, paged", [(False, False), (True, False), (False, True), (True, True)])
+def test_dev_kernels_are_what_the_patched_setup_compiles(patched_hopper: Path, tmp_path, monkeypatch, fp8: bool, paged: bool):
     """The source list of hopper/setup.py (patches flash-attn-3/0001, 0003, 0008, 0011) under the
     dev variables, by running its list-building lines: 12 dense kernel units, the 20 sparse units it
     writes from generate_kernels_sparse.py (here into tmp_path), flash_api and flash_api_sparse,
     combine and scheduler, and the driver entry points CUTLASS's TMA descriptors call (0011); with
-    FLASH_ATTN_SPARSE_FP8=1 also the 6 dense and 10 sparse e4m3 units (0008)."""
+    FLASH_ATTN_SPARSE_FP8=1 also the 6 dense and 10 sparse e4m3 units (0008); with
+    FLASH_ATTN_SPARSE_PAGED=1 the 8 dense and 12 sparse cp.async paged units (with FP8: 10 more)."""
     hopper = patched_hopper
     text = (hopper / "setup.py").read_text()
     flags = "".join(line + "\n" for line in text.splitlines() if re.match(r"(DISABLE_\w+|USE_SYSTEM_NVCC) = ", line))
     body = text[text.index("    DTYPE_FWD_SM80"):text.index("    nvcc_flags = [")]
-    if fp8:
-        monkeypatch.setenv(build_fa3.FP8_OPTION, "1")
-    else:
-        monkeypatch.delenv(build_fa3.FP8_OPTION, raising=False)
+    for option, on in ((build_fa3.FP8_OPTION, fp8), (build_fa3.PAGED_OPTION, paged)):
+        if on:
+            monkeypatch.setenv(option, "1")
+        else:
+            monkeypatch.delenv(option, raising=False)
     environ = build_fa3.profile_env("dev")
     shutil.copy(hopper / "generate_kernels_sparse.py", tmp_path)
     (tmp_path / "instantiations").mkdir()
@@ -107,10 +109,13 @@ def test_dev_kernels_are_what_the_patched_setup_compiles(patched_hopper: Path, t
     exec("import itertools\n" + "\n".join(line[4:] for line in body.splitlines()), scope)  # noqa: S102 -- runs setup.py's own list-building lines
     kernels = sorted(Path(s).name for s in scope["sources"] if s.startswith("instantiations/"))
     fp8_kernels = build_fa3.DEV_FP8_KERNELS if fp8 else []
-    assert kernels == sorted(build_fa3.DEV_KERNELS + build_fa3.DEV_SPARSE_KERNELS + fp8_kernels)
-    assert len(kernels) == (48 if fp8 else 32)
+    paged_kernels = build_fa3.DEV_PAGED_KERNELS if paged else []
+    both = [name.replace("_bf16", "_e4m3") for name in paged_kernels if "_bf16" in name] if fp8 else []
+    assert kernels == sorted(build_fa3.DEV_KERNELS + build_fa3.DEV_SPARSE_KERNELS + fp8_kernels + paged_kernels + both)
+    assert len(kernels) == 32 + 16 * fp8 + 20 * paged + 10 * (fp8 and paged)
     written = sorted(p.name for p in (tmp_path / "instantiations").iterdir())
-    assert written == sorted(build_fa3.DEV_SPARSE_KERNELS + [k for k in fp8_kernels if k.endswith("_sparse_sm90.cu")])
+    extra = fp8_kernels + paged_kernels + both
+    assert written == sorted(build_fa3.DEV_SPARSE_KERNELS + [k for k in extra if k.endswith("_sparse_sm90.cu")])
     assert set(scope["sources"]) - {f"instantiations/{k}" for k in kernels} == {
         "flash_api.cpp", "flash_api_sparse.cpp", "flash_fwd_combine.cu", "flash_prepare_scheduler.cu",
         "cuda_driver_entry_points.cpp"}
@@ -120,6 +125,7 @@ def test_the_fp8_option_keeps_dev_s_fp8_kernels_under_a_label_of_their_own(monke
     """FLASH_ATTN_SPARSE_FP8=1 lifts only dev's FP8 flag and names the profile dev.fp8, so an FP8
     wheel is never taken for a plain dev one (or the reverse); the full profile already has FP8."""
     monkeypatch.delenv(build_fa3.FP8_OPTION, raising=False)
+    monkeypatch.delenv(build_fa3.PAGED_OPTION, raising=False)
     plain = build_fa3.profile_env("dev")
     assert plain["FLASH_ATTENTION_DISABLE_FP8"] == "TRUE" and build_fa3.profile_name("dev") == "dev"
     monkeypatch.setenv(build_fa3.FP8_OPTION, "1")
@@ -148,3 +154,15 @@ def test_fa3_mutation_goes_to_the_fa3_build_only():
     """build --mutation sends a hopper/ diff to build_fa3 and a csrc/ one to the FA-2 build."""
     assert build_fa3.is_mutation_of_fa3(ROOT / "tests" / "mutations" / "fa3-v-steps-densely.patch")
     assert not build_fa3.is_mutation_of_fa3(ROOT / "tests" / "mutations" / "v-steps-densely.patch")
+
+
+def test_the_paged_option_lifts_dev_s_pagedkv_flag_and_names_it_after_fp8(monkeypatch):
+    """FLASH_ATTN_SPARSE_PAGED=1 lifts only PAGEDKV; with FP8 both, labelled dev.fp8.paged."""
+    monkeypatch.delenv(build_fa3.FP8_OPTION, raising=False)
+    monkeypatch.setenv(build_fa3.PAGED_OPTION, "1")
+    assert set(build_fa3.PROFILES["dev"]) - set(build_fa3.profile_env("dev")) == {"FLASH_ATTENTION_DISABLE_PAGEDKV"}
+    assert build_fa3.profile_name("dev") == "dev.paged"
+    monkeypatch.setenv(build_fa3.FP8_OPTION, "1")
+    assert set(build_fa3.PROFILES["dev"]) - set(build_fa3.profile_env("dev")) == {
+        "FLASH_ATTENTION_DISABLE_PAGEDKV", "FLASH_ATTENTION_DISABLE_FP8"}
+    assert build_fa3.profile_name("dev") == "dev.fp8.paged" and build_fa3.profile_name("full") == "full"
