@@ -11,6 +11,7 @@ skips with that reason. FA-2 runs every case here, so a refusal there fails.
 """
 
 import random
+import warnings
 
 import pytest
 import torch
@@ -223,8 +224,14 @@ def test_torch_compile_fullgraph_traces_the_backend(backend):
         return fas.flash_attn_with_sparse_block_table(q, k, v, SparseBlocks(full_cnt, full_idx), backend=backend)
 
     eager = attend(backend, lambda: forward(q, k, v, full_cnt, full_idx))
-    compiled = torch.compile(forward, fullgraph=True)(q, k, v, full_cnt, full_idx)
+    torch._dynamo.reset()
+    torch._dynamo.utils.warn_once_cache.clear()  # Dynamo warns once per process: an earlier test's trace would hide one
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        compiled = torch.compile(forward, fullgraph=True)(q, k, v, full_cnt, full_idx)
     assert torch.equal(compiled[0], eager[0]) and torch.equal(compiled[1], eager[1])
+    dynamo = [str(w.message).splitlines()[0] for w in caught if "dynamo" in f"{w.filename} {w.message}".lower()]
+    assert not dynamo, f"torch.compile warned while tracing the call: {dynamo}"
 
 
 @pytest.mark.parametrize("shape", ["decode", "prefill"])
