@@ -12,7 +12,9 @@ Where FA-3 is built, racecheck and synccheck (MANY_TILE_TOOLS) then run over FA-
 tiles than SMs with list lengths skewed across tiles (--only fa3-many-tiles: many_tile_cases),
 where each persistent CTA hands its barriers and K/V pipeline from tile to tile; and every tool
 over upstream FA-3's dense calls of the same shapes alone (--upstream-fa3-cases, with --only
-fa3-many-tiles the many-tile ones), to tell upstream's (or the tool's) reports from this series'.
+fa3-many-tiles the many-tile ones), run first, to tell upstream's (or the tool's) reports from
+this series': synccheck's barrier errors at a site where upstream's calls get the same report
+(CUTLASS's mbarrier arrives of upstream's pipelines) are counted apart, not failures.
 Prints one summary line per tool, the kinds of report and where (function, file:line, the Python
 line that launched it; most frequent first), and exits non-zero if any tool reports an error
 other than the CUDA runtime's benign cuGetProcAddress probes in this series' cases; --raw DIR
@@ -387,13 +389,33 @@ def racecheck_misreads_named_barriers(raw_dir=None) -> bool:
     return misreads
 
 
-def sanitize(command, raw_dir=None, label="sanitize", excuse_handoff=False, tools=TOOLS, env=None) -> int:
+# synccheck reports every mbarrier arrive of upstream's pipelines by the thousand: all are printed,
+# so that the sites of the series' calls can be compared with those of upstream's dense calls.
+PRINT_LIMIT = {"synccheck": 100_000}
+
+
+def without_launch(where: str) -> str:
+    """A report's device site(s), without the Python line that launched the kernel."""
+    return where.split(", launched from ")[0]
+
+
+def upstream_barrier_error(what: str, where: str, baseline) -> bool:
+    """A synccheck barrier error at a site where upstream's dense calls alone get the same report
+    (baseline: their (what, where) keys): the tool's reading of upstream's code, not this series'."""
+    return what == "Barrier error" and without_launch(where) in {without_launch(w) for kind, w in baseline if kind == what}
+
+
+def sanitize(command, raw_dir=None, label="sanitize", excuse_handoff=False, tools=TOOLS, env=None, baseline=None,
+             seen=None) -> int:
     """Each tool over `command`: clean when it exits 0 and reports nothing but benign API errors
-    (their count is printed) and, with excuse_handoff (the probe's verdict), races of upstream's
-    scheduler hand-off (counted apart). Prints the kinds of report and where, most frequent first."""
+    (their count is printed), with excuse_handoff (the probe's verdict) races of upstream's
+    scheduler hand-off, and with baseline ({tool: keys of upstream's dense calls' reports}) barrier
+    errors at sites upstream's calls also get (both counted apart). Prints the kinds of report and
+    where, most frequent first; seen ({tool: set}) collects every report's key."""
     failed = 0
     for tool in tools:
-        run = subprocess.run(["compute-sanitizer", "--tool", tool, "--print-limit", "400", *command],
+        limit = str(PRINT_LIMIT.get(tool, 400))
+        run = subprocess.run(["compute-sanitizer", "--tool", tool, "--print-limit", limit, *command],
                              capture_output=True, text=True, env=env)
         if raw_dir:
             (Path(raw_dir) / f"{label}-{tool}.txt").write_text(run.stdout[-4_000_000:] + run.stderr[-100_000:])
@@ -404,16 +426,21 @@ def sanitize(command, raw_dir=None, label="sanitize", excuse_handoff=False, tool
                   f"(runner exit {run.returncode})")
         summary = [line for line in run.stdout.splitlines() if re.search(r"(ERROR|RACECHECK) SUMMARY", line)]
         found = reports(run.stdout)
+        if seen is not None:
+            seen.setdefault(tool, set()).update(found)
         is_benign = lambda what, where: what.startswith("Program hit") and where.startswith(BENIGN_API_ERRORS)  # noqa: E731
         is_excused = lambda what, where: excuse_handoff and is_scheduler_handoff(what, where)  # noqa: E731
+        is_upstream = lambda what, where: upstream_barrier_error(what, where, (baseline or {}).get(tool, ()))  # noqa: E731
         benign = sum(n for (what, where), n in found.items() if is_benign(what, where))
         excused = sum(n for (what, where), n in found.items() if is_excused(what, where))
-        real = {key: n for key, n in found.items() if not is_benign(*key) and not is_excused(*key)}
+        upstream = sum(n for (what, where), n in found.items() if is_upstream(what, where))
+        real = {key: n for key, n in found.items() if not (is_benign(*key) or is_excused(*key) or is_upstream(*key))}
         clean = run.returncode == 0 and bool(summary) and not real
         failed += not clean
         print(f"{tool}: {'clean' if clean else 'FOUND ERRORS'} ({summary[-1].strip('= ') if summary else run.stdout[-300:]}; "
               f"{benign} benign API errors of {', '.join(BENIGN_API_ERRORS)} among the printed reports"
-              + (f"; {excused} races of upstream's scheduler hand-off set apart by the probe" if excused else "") + ")")
+              + (f"; {excused} races of upstream's scheduler hand-off set apart by the probe" if excused else "")
+              + (f"; {upstream} barrier errors at sites upstream's dense calls also report" if upstream else "") + ")")
         for (what, where), n in sorted(real.items(), key=lambda item: -item[1])[:8]:
             print(f"  {n} x {what} at {where}")
     return 1 if failed else 0
@@ -460,22 +487,24 @@ if __name__ == "__main__":
         only = option(sys.argv, "--only")
         label = f"sanitize-{loading}" if loading else "sanitize"
         many_tools = tuple(tool for tool in tools if tool in MANY_TILE_TOOLS)
-        failed = 0
-        if only != MANY_TILES:
-            failed = sanitize([sys.executable, __file__, "--cases", *(["--only", only] if only else [])], raw_dir(sys.argv), label,
-                              excuse, tools, env)
         from flash_attn_sparse.backends import fa3_ops
         fa3 = fa3_ops.missing_build() is None
-        if fa3 and many_tools:
-            print(f"FA-3 over more tiles than SMs, lists skewed across tiles ({', '.join(many_tools)}):", flush=True)
-            failed |= sanitize([sys.executable, __file__, "--cases", "--only", MANY_TILES], raw_dir(sys.argv),
-                               f"{label}-{MANY_TILES}", excuse, many_tools, env)
+        baseline = {}  # upstream's dense calls first: the sites whose barrier errors are theirs
         if fa3:
             print("upstream FA-3's dense calls, alone (what they report is not this series'):", flush=True)
             if only != MANY_TILES:
                 sanitize([sys.executable, __file__, "--upstream-fa3-cases"], raw_dir(sys.argv), "upstream-fa3", tools=tools,
-                         env=env)  # not excused
+                         env=env, seen=baseline)  # not excused
             if many_tools:
                 sanitize([sys.executable, __file__, "--upstream-fa3-cases", "--only", MANY_TILES], raw_dir(sys.argv),
-                         f"upstream-fa3-{MANY_TILES}", tools=many_tools, env=env)  # not excused
+                         f"upstream-fa3-{MANY_TILES}", tools=many_tools, env=env, seen=baseline)  # not excused
+            print("this series' calls:", flush=True)
+        failed = 0
+        if only != MANY_TILES:
+            failed = sanitize([sys.executable, __file__, "--cases", *(["--only", only] if only else [])], raw_dir(sys.argv), label,
+                              excuse, tools, env, baseline=baseline)
+        if fa3 and many_tools:
+            print(f"FA-3 over more tiles than SMs, lists skewed across tiles ({', '.join(many_tools)}):", flush=True)
+            failed |= sanitize([sys.executable, __file__, "--cases", "--only", MANY_TILES], raw_dir(sys.argv),
+                               f"{label}-{MANY_TILES}", excuse, many_tools, env, baseline=baseline)
         sys.exit(failed)

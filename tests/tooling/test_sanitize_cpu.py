@@ -97,6 +97,28 @@ def test_synccheck_is_a_tool_and_its_barrier_errors_are_read():
     assert sanitize.reports(SYNCCHECK) == {("Barrier error", "flash::FlashAttnFwdSm90::operator (flash_fwd_kernel_sm90.h:412)"): 1}
 
 
+def barrier_error(function: str, line: str, python: str) -> str:
+    return "\n".join([
+        "========= Barrier error detected. Invalid arguments",
+        f"=========     at void cutlass::arch::{function}(unsigned int)+0x90 in {line}",
+        "=========     by thread (0,0,0) in block (0,0,0)",
+        "=========     Saved host backtrace up to driver entry point at kernel launch time",
+        f"=========         Host Frame: {python}",
+        "========= "])
+
+
+def test_barrier_errors_at_sites_upstream_also_gets_are_set_apart_whoever_launched_them():
+    upstream = sanitize.reports(barrier_error("ClusterBarrier::arrive", "barrier.h:508", "__call__ in _ops.py:1269"))
+    ours = sanitize.reports(barrier_error("ClusterBarrier::arrive", "barrier.h:508", "run_with in fa3.py:164")
+                            + "\n" + barrier_error("cpasync_barrier_arrive", "barrier.h:735", "run_with in fa3.py:164"))
+    shared, only_ours = sorted(ours, key=lambda key: "735" in key[1])
+    assert sanitize.upstream_barrier_error(*shared, upstream)
+    assert not sanitize.upstream_barrier_error(*only_ours, upstream)
+    race = ("Error: Race reported", shared[1])  # only barrier errors: a race at the same site is never set apart
+    assert not sanitize.upstream_barrier_error(*race, {race})
+    assert sanitize.PRINT_LIMIT["synccheck"] >= 10_000  # every report printed: upstream's sites complete
+
+
 def test_the_many_tile_cases_have_more_tiles_than_sms_and_skewed_lists():
     """Batched and varlen, packed GQA (per-K/V-head lists) and not: several tiles per SM of an
     H100, list lengths of every SKEWED_LIST_LENGTHS across tiles, an empty sequence."""
