@@ -7,7 +7,8 @@ fuzzer's own failure count.
 Runs memcheck, racecheck, initcheck and synccheck, each over this file's --cases: adversarial valid calls
 (lists that are empty, one block, the tail block only, every block, as long as the row) of the
 non-split, split, GQA-packed, paged, varlen, decode-tile, key-split-tile, one-launch speculative
-and partials + combine paths, and FA-3's sparse kernel (fa3_cases), small enough for the tools.
+and partials + combine paths, and FA-3's sparse kernel (fa3_cases; its e4m3 kernels where the
+build has them), small enough for the tools.
 Where FA-3 is built, racecheck and synccheck (MANY_TILE_TOOLS) then run over FA-3 calls of more
 tiles than SMs with list lengths skewed across tiles (--only fa3-many-tiles: many_tile_cases),
 where each persistent CTA hands its barriers and K/V pipeline from tile to tile; and every tool
@@ -173,7 +174,31 @@ def fa3_cases(randn):
         fas.flash_attn_varlen_with_sparse_blocks(qv, kv, vv, vblocks, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=130,
                                                  max_seqlen_k=700, num_splits=num_splits, backend="fa3")
     fa3_paged_cases(randn, q, per_head, vblocks, cu_q)
+    fa3_fp8_cases(q, k, v, (good, bad, per_head), qv, kv, vv, vblocks, cu_q, cu_k)
     print("fa3: ok", flush=True)
+
+
+def fa3_fp8_cases(q, k, v, lists, qv, kv, vv, vblocks, cu_q, cu_k):
+    """FA-3's e4m3 sparse kernels, where this build has them: the batched lists (bad ids too) with
+    q in e4m3 and in bf16 (quantized by the package: its Triton kernel runs under the tools too),
+    descales per (batch, K/V head), split and not; varlen with an empty sequence."""
+    from flash_attn_sparse.backends import fa3_ops
+    if "FP8" in fa3_ops.disabled():
+        print("fa3 fp8: not in this build (FLASH_ATTENTION_DISABLE_FP8)", flush=True)
+        return
+    e4m3 = torch.float8_e4m3fn
+    descales = dict(k_descale=torch.full((2, 2), 0.5, device="cuda"), v_descale=torch.full((2, 2), 0.25, device="cuda"))
+    k8, v8 = (k * 2).to(e4m3), (v * 4).to(e4m3)
+    for query in (dict(q=q.to(e4m3), q_descale=1.0), dict(q=q)):
+        for blocks in lists:
+            for num_splits in (1, 3):
+                fas.flash_attn_with_sparse_block_table(k=k8, v=v8, sparse_block_table=blocks, num_splits=num_splits, backend="fa3",
+                                                       **query, **descales)
+    for num_splits in (1, 2):
+        fas.flash_attn_varlen_with_sparse_blocks(qv, kv.to(e4m3), vv.to(e4m3), vblocks, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k,
+                                                 max_seqlen_q=130, max_seqlen_k=700, num_splits=num_splits, backend="fa3",
+                                                 k_descale=1.0, v_descale=1.0)
+    print("fa3 fp8: ok", flush=True)
 
 
 def fa3_paged_cases(randn, q, blocks, vblocks, cu_q):
@@ -282,6 +307,12 @@ def upstream_fa3_cases():
     for num_splits in (1, 2):
         flash_attn_varlen_func(qv, kv, vv, cu_q, cu_k, 130, 700, num_splits=num_splits)
         flash_attn_varlen_func(qv, kv, vv, cu_q, cu_k, 130, 700, causal=True, num_splits=num_splits)
+    from flash_attn_sparse.backends import fa3_ops
+    if "FP8" not in fa3_ops.disabled():  # upstream's e4m3 kernels, beside fa3_fp8_cases
+        e4m3, descale = torch.float8_e4m3fn, torch.ones(2, 2, device="cuda")
+        for num_splits in (1, 3):
+            flash_attn_func(q.to(e4m3), k.to(e4m3), v.to(e4m3), q_descale=descale, k_descale=descale, v_descale=descale,
+                            num_splits=num_splits, pack_gqa=True)
     torch.cuda.synchronize()
     print("upstream fa3 dense: ok", flush=True)
 
