@@ -420,9 +420,11 @@ def racecheck_misreads_named_barriers(raw_dir=None) -> bool:
     return misreads
 
 
-# synccheck reports every mbarrier arrive of upstream's pipelines by the thousand: all are printed,
-# so that the sites of the series' calls can be compared with those of upstream's dense calls.
+# synccheck reports upstream's pipelines' mbarrier arrives by the thousand: every one is printed
+# (device frames only, which keeps that fast), so the sites of the series' calls can be compared
+# with those of upstream's dense calls.
 PRINT_LIMIT = {"synccheck": 100_000}
+TOOL_OPTIONS = {"synccheck": ["--show-backtrace", "device"]}
 
 
 def without_launch(where: str) -> str:
@@ -446,7 +448,7 @@ def sanitize(command, raw_dir=None, label="sanitize", excuse_handoff=False, tool
     failed = 0
     for tool in tools:
         limit = str(PRINT_LIMIT.get(tool, 400))
-        run = subprocess.run(["compute-sanitizer", "--tool", tool, "--print-limit", limit, *command],
+        run = subprocess.run(["compute-sanitizer", "--tool", tool, "--print-limit", limit, *TOOL_OPTIONS.get(tool, []), *command],
                              capture_output=True, text=True, env=env)
         if raw_dir:
             (Path(raw_dir) / f"{label}-{tool}.txt").write_text(run.stdout[-4_000_000:] + run.stderr[-100_000:])
