@@ -23,7 +23,6 @@ from .calls import SparseCall
 from .metadata import SparseInputError, fail
 
 FA3_MIN_QUERY_ROWS = 128  # one FA-3 tile of query rows per sequence: prefill-shaped
-FA3_TMA_PAGE_KEYS = 128  # pages of whole key blocks: FA-3 loads them by TMA, timed as fast as contiguous K/V
 
 
 def choose(call: SparseCall) -> Tuple[str, str]:
@@ -59,12 +58,13 @@ def runs_somewhere(call: SparseCall) -> bool:
 def fa3_reason(call: SparseCall) -> Optional[str]:
     """Why auto sends this call to fa3, or None: prefill-shaped, or decode whose GQA query heads
     FA-3 packs (where it packs, it led fa2 at every packed row count measured), and FA-3 takes it."""
-    if call.page_table is not None and call.k.shape[1] % FA3_TMA_PAGE_KEYS:
-        return None  # FA-3's cp.async paged loads are untimed against FA-2's
+    traits = BACKENDS["fa3"].traits(call)
+    if traits.untimed:  # a path of FA-3's not yet timed against FA-2 (Traits.untimed)
+        return None
     rows = query_rows(call)
     if rows >= FA3_MIN_QUERY_ROWS:
         why = f"{rows:g} query rows per sequence"
-    elif (group := BACKENDS["fa3"].traits(call).packed_group) > 1:
+    elif (group := traits.packed_group) > 1:
         why = f"{rows:g} query rows x {group} query heads of a K/V head packed in a tile"
     else:
         return None
