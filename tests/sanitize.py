@@ -432,10 +432,15 @@ def without_launch(where: str) -> str:
     return where.split(", launched from ")[0]
 
 
+def barrier_error_sites(baseline) -> set:
+    """The device sites of the barrier errors among baseline's (what, where) report keys."""
+    return {without_launch(where) for what, where in baseline if what == "Barrier error"}
+
+
 def upstream_barrier_error(what: str, where: str, baseline) -> bool:
     """A synccheck barrier error at a site where upstream's dense calls alone get the same report
     (baseline: their (what, where) keys): the tool's reading of upstream's code, not this series'."""
-    return what == "Barrier error" and without_launch(where) in {without_launch(w) for kind, w in baseline if kind == what}
+    return what == "Barrier error" and without_launch(where) in barrier_error_sites(baseline)
 
 
 def sanitize(command, raw_dir=None, label="sanitize", excuse_handoff=False, tools=TOOLS, env=None, baseline=None,
@@ -461,13 +466,18 @@ def sanitize(command, raw_dir=None, label="sanitize", excuse_handoff=False, tool
         found = reports(run.stdout)
         if seen is not None:
             seen.setdefault(tool, set()).update(found)
-        is_benign = lambda what, where: what.startswith("Program hit") and where.startswith(BENIGN_API_ERRORS)  # noqa: E731
-        is_excused = lambda what, where: excuse_handoff and is_scheduler_handoff(what, where)  # noqa: E731
-        is_upstream = lambda what, where: upstream_barrier_error(what, where, (baseline or {}).get(tool, ()))  # noqa: E731
-        benign = sum(n for (what, where), n in found.items() if is_benign(what, where))
-        excused = sum(n for (what, where), n in found.items() if is_excused(what, where))
-        upstream = sum(n for (what, where), n in found.items() if is_upstream(what, where))
-        real = {key: n for key, n in found.items() if not (is_benign(*key) or is_excused(*key) or is_upstream(*key))}
+        upstream_sites = barrier_error_sites((baseline or {}).get(tool, ()))
+        set_apart, real = collections.Counter(), {}
+        for (what, where), n in found.items():  # each report kind classified once
+            if what.startswith("Program hit") and where.startswith(BENIGN_API_ERRORS):
+                set_apart["benign"] += n
+            elif excuse_handoff and is_scheduler_handoff(what, where):
+                set_apart["excused"] += n
+            elif what == "Barrier error" and without_launch(where) in upstream_sites:
+                set_apart["upstream"] += n
+            else:
+                real[(what, where)] = n
+        benign, excused, upstream = set_apart["benign"], set_apart["excused"], set_apart["upstream"]
         clean = run.returncode == 0 and bool(summary) and not real
         failed += not clean
         print(f"{tool}: {'clean' if clean else 'FOUND ERRORS'} ({summary[-1].strip('= ') if summary else run.stdout[-300:]}; "
@@ -506,17 +516,18 @@ if __name__ == "__main__":
     # sanitized process loads every CUDA module at start (CUDA_MODULE_LOADING=EAGER), so the tool
     # knows a lazily loaded module's functions at its first launch.
     tools = tuple(option(sys.argv, "--tools", ",".join(TOOLS)).split(","))
+    raw = raw_dir(sys.argv)
     loading = option(sys.argv, "--module-loading")
     env = {**os.environ, "CUDA_MODULE_LOADING": loading.upper()} if loading else None
     if "--cases" in sys.argv:
         cases(only=option(sys.argv, "--only"))
     elif "--fuzz-subset" in sys.argv:
-        excuse = "racecheck" in tools and racecheck_misreads_named_barriers(raw_dir(sys.argv))  # only racecheck needs it
-        sys.exit(sanitize(fuzz_subset_command(sys.argv), raw_dir(sys.argv), excuse_handoff=excuse, tools=tools, env=env))
+        excuse = "racecheck" in tools and racecheck_misreads_named_barriers(raw)  # only racecheck needs it
+        sys.exit(sanitize(fuzz_subset_command(sys.argv), raw, excuse_handoff=excuse, tools=tools, env=env))
     elif "--upstream-fa3-cases" in sys.argv:
         upstream_many_tile_cases() if option(sys.argv, "--only") == MANY_TILES else upstream_fa3_cases()
     else:
-        excuse = "racecheck" in tools and racecheck_misreads_named_barriers(raw_dir(sys.argv))  # only racecheck needs it
+        excuse = "racecheck" in tools and racecheck_misreads_named_barriers(raw)  # only racecheck needs it
         only = option(sys.argv, "--only")
         label = f"sanitize-{loading}" if loading else "sanitize"
         many_tools = tuple(tool for tool in tools if tool in MANY_TILE_TOOLS)
@@ -526,18 +537,18 @@ if __name__ == "__main__":
         if fa3:
             print("upstream FA-3's dense calls, alone (what they report is not this series'):", flush=True)
             if only != MANY_TILES:
-                sanitize([sys.executable, __file__, "--upstream-fa3-cases"], raw_dir(sys.argv), "upstream-fa3", tools=tools,
+                sanitize([sys.executable, __file__, "--upstream-fa3-cases"], raw, "upstream-fa3", tools=tools,
                          env=env, seen=baseline)  # not excused
             if many_tools:
-                sanitize([sys.executable, __file__, "--upstream-fa3-cases", "--only", MANY_TILES], raw_dir(sys.argv),
+                sanitize([sys.executable, __file__, "--upstream-fa3-cases", "--only", MANY_TILES], raw,
                          f"upstream-fa3-{MANY_TILES}", tools=many_tools, env=env, seen=baseline)  # not excused
             print("this series' calls:", flush=True)
         failed = 0
         if only != MANY_TILES:
-            failed = sanitize([sys.executable, __file__, "--cases", *(["--only", only] if only else [])], raw_dir(sys.argv), label,
+            failed = sanitize([sys.executable, __file__, "--cases", *(["--only", only] if only else [])], raw, label,
                               excuse, tools, env, baseline=baseline)
         if fa3 and many_tools:
             print(f"FA-3 over more tiles than SMs, lists skewed across tiles ({', '.join(many_tools)}):", flush=True)
-            failed |= sanitize([sys.executable, __file__, "--cases", "--only", MANY_TILES], raw_dir(sys.argv),
+            failed |= sanitize([sys.executable, __file__, "--cases", "--only", MANY_TILES], raw,
                                f"{label}-{MANY_TILES}", excuse, many_tools, env, baseline=baseline)
         sys.exit(failed)
