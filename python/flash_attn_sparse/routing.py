@@ -5,11 +5,11 @@ capture and under torch.compile, so a call validated eagerly runs the same kerne
 | GPU | call | backend |
 |---|---|---|
 | sm90 + flash_attn_3 built with FP8 | float8_e4m3fn K/V that FA-3 takes (else refused: no other backend has FP8 kernels) | fa3 |
-| sm90 + flash_attn_3 | FA-3 takes it, K/V contiguous or in pages of whole 128-key blocks; >= 128 query rows, or packed GQA | fa3 |
+| sm90 + flash_attn_3 | FA-3 takes it (K/V contiguous or paged); >= 128 query rows, or packed GQA | fa3 |
 | any | every other (16-bit) call | fa2 |
 
-Pages of fewer than 128 keys stay on FA-2: FA-3 reads them with cp.async loads (units of the full
-build or of FLASH_ATTN_SPARSE_PAGED=1) not yet timed against FA-2 (backend="fa3" runs them).
+FA-3 takes pages of fewer than 128 keys where its build has the cp.async paged units (the full
+build, or FLASH_ATTN_SPARSE_PAGED=1); elsewhere its refusal leaves them to FA-2.
 
 fa4 runs on request only (backend="fa4"): under graph replay it can lead at decode, but its host
 time per eager call (flash-attn-4's Python dispatch) is many times a decode kernel's, so no one

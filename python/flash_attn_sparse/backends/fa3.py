@@ -37,12 +37,9 @@ def refusal(call) -> Optional[str]:
 
 def traits(call) -> Traits:
     """packed_group: the GQA group where the host packs a K/V head's query heads into one tile
-    (shared or per-K/V-head lists, any group), else 1; untimed: pages that do not hold whole
-    blocks (cp.async loads, not yet timed against FA-2)."""
-    page_size = call.k.shape[1] if call.page_table is not None else None
-    untimed = "cp.async paged loads" if fa3_ops.reads_pages_by_cp_async(page_size) else None
-    return Traits(packed_group=fa3_ops.packed_group(call.q, call.k, call.effective_blocks(), call.max_seqlen_q),
-                  untimed=untimed)
+    (shared or per-K/V-head lists, any group), else 1. Every path fa3 takes is timed against FA-2
+    (untimed unset): pages that do not hold whole blocks (cp.async loads) too."""
+    return Traits(packed_group=fa3_ops.packed_group(call.q, call.k, call.effective_blocks(), call.max_seqlen_q))
 
 
 def num_splits(call) -> int:
