@@ -7,7 +7,9 @@ bf16), per-(sequence, K/V head) lists: in each 128-row query tile the blocks on 
 cache's last block). A decode-only batch (the 32 decode rows alone) runs beside it.
 For each page size it times, through the public varlen call with seqused_k and the page table:
 fa3 and fa2 on the paged cache, auto, and fa3 on the same keys in one contiguous K/V
-(cu_seqlens_k): the paged path's cost over contiguous K/V, and fa3 over fa2. CUDA-graph replay
+(cu_seqlens_k): the paged path's cost over contiguous K/V, and fa3 over fa2. Beside them dense
+FA-3 over every key of the same cache, in these pages and in 256-key pages (TMA where its
+heuristic takes it): its own cost of small pages, the peer of the sparse path's. CUDA-graph replay
 with L2 flushed before each replay (median), and eager back-to-back calls, over 4 rotating list
 sets, in two passes one after the other; a ratio's passes show the spread. A backend that
 refuses a call (e.g. a build without FA-3's kernels for pages under 128 keys) is reported so.
@@ -34,6 +36,7 @@ from bench_sparse import ROTATIONS, source_commit  # noqa: E402
 from flash_attn_sparse.metadata import pack_varlen_lists  # noqa: E402
 
 HEADS, HEADS_K, HEAD_DIM, BLOCK, Q_TILE = 32, 8, 128, 128, 128
+DENSE_TMA_PAGE = 256  # a multiple of every dense FA-3 hdim-128 tile's keys: its TMA-paged loads
 DENSITY = 1 / 8
 DECODE_ROWS, CHUNKS = 32, (1024, 2048)
 METHODS = ("fa3_paged", "fa2_paged", "auto_paged", "fa3_contiguous")
@@ -80,10 +83,19 @@ def inputs(shape, page_size: int, generator):
     q = torch.randn(sum(seqlens_q), HEADS, HEAD_DIM, device="cuda", generator=generator).bfloat16()
     k = torch.randn(sum(seqlens_k), HEADS_K, HEAD_DIM, device="cuda", generator=generator).bfloat16()
     v = torch.randn_like(k)
+    k_cache, v_cache, page_table = paged_cache(k, v, seqlens_k, page_size, generator)
+    varlen = dict(cu_seqlens_q=cu(seqlens_q), max_seqlen_q=max(seqlens_q), max_seqlen_k=max(seqlens_k), causal=True)
+    contiguous = dict(varlen, cu_seqlens_k=cu(seqlens_k))
+    paged = dict(contiguous, page_table=page_table, seqused_k=torch.tensor(seqlens_k, dtype=torch.int32, device="cuda"))
+    return q, (k, v, contiguous), (k_cache, v_cache, paged)
+
+
+def paged_cache(k, v, seqlens_k, page_size: int, generator):
+    """The keys of k and v (packed by sequence) in a cache of permuted pages, and its page table."""
     pages_of = [cdiv(sk, page_size) for sk in seqlens_k]
     num_pages = sum(pages_of)
     perm = torch.randperm(num_pages, device="cuda", generator=generator)
-    page_table = torch.zeros(len(shape), max(pages_of), dtype=torch.int32, device="cuda")
+    page_table = torch.zeros(len(seqlens_k), max(pages_of), dtype=torch.int32, device="cuda")
     k_cache = torch.zeros(num_pages, page_size, HEADS_K, HEAD_DIM, dtype=k.dtype, device="cuda")
     v_cache = torch.zeros_like(k_cache)
     start, used = 0, 0
@@ -96,10 +108,26 @@ def inputs(shape, page_size: int, generator):
             rows[:sk] = src[start:start + sk]
             cache[ids] = rows.view(pages_of[b], page_size, HEADS_K, HEAD_DIM)
         start, used = start + sk, used + pages_of[b]
-    varlen = dict(cu_seqlens_q=cu(seqlens_q), max_seqlen_q=max(seqlens_q), max_seqlen_k=max(seqlens_k), causal=True)
-    contiguous = dict(varlen, cu_seqlens_k=cu(seqlens_k))
-    paged = dict(contiguous, page_table=page_table, seqused_k=torch.tensor(seqlens_k, dtype=torch.int32, device="cuda"))
-    return q, (k, v, contiguous), (k_cache, v_cache, paged)
+    return k_cache, v_cache, page_table
+
+
+def dense_fa3_calls(q, k, v, paged: dict, page_size: int):
+    """Dense FA-3 (flash_attn_3's flash_attn_with_kvcache, causal) over every key of the same cache
+    in these pages and in pages of DENSE_TMA_PAGE keys, which it loads by TMA where its heuristic
+    takes TMA (more packed query rows than a tile: the mixed batch, not decode alone): its own cost
+    of small pages, beside the sparse call's. {} without flash_attn_3; a build without its paged
+    units reports the error in the method's cells."""
+    try:
+        from flash_attn_interface import flash_attn_with_kvcache
+    except ImportError:
+        return {}
+    seqlens_k = paged["seqused_k"].tolist()
+    k_tma, v_tma, table_tma = paged_cache(k, v, seqlens_k, DENSE_TMA_PAGE, torch.Generator(device="cuda").manual_seed(page_size))
+    common = dict(cache_seqlens=paged["seqused_k"], cu_seqlens_q=paged["cu_seqlens_q"], max_seqlen_q=paged["max_seqlen_q"],
+                  causal=True)
+    k_cache, v_cache = paged["k_cache"], paged["v_cache"]
+    return {"dense_fa3_paged": [lambda: flash_attn_with_kvcache(q, k_cache, v_cache, page_table=paged["page_table"], **common)],
+            "dense_fa3_tma_pages": [lambda: flash_attn_with_kvcache(q, k_tma, v_tma, page_table=table_tma, **common)]}
 
 
 def measure(shape, page_size: int, blocks, flush) -> dict:
@@ -112,6 +140,7 @@ def measure(shape, page_size: int, blocks, flush) -> dict:
         "auto_paged": [lambda b=b: call(q, k_cache, v_cache, b, **paged) for b in blocks],
         "fa3_contiguous": [lambda b=b: call(q, k, v, b, backend="fa3", **contiguous) for b in blocks],
     }
+    methods.update(dense_fa3_calls(q, k, v, dict(paged, k_cache=k_cache, v_cache=v_cache), page_size))
     result = {"graph_us": {}, "eager_us": {}, "auto_backend": fas.choose_backend(q, k_cache, v_cache, blocks[0], **paged)[0]}
     for _ in range(PASSES):
         for name, calls in methods.items():
@@ -142,11 +171,12 @@ def markdown(results: list, gpu: str, commit: str) -> str:
              f"{DECODE_ROWS} decode rows + chunks of {', '.join(map(str, CHUNKS))} rows (causal), caches of 16k-64k keys, "
              f"H{HEADS}/{HEADS_K} d{HEAD_DIM} bf16, per-(sequence, K/V head) lists at 1/{int(1 / DENSITY)}; graph replay, "
              "L2 flushed, median of two passes (each pass in parentheses).", "",
-             "| batch | page | auto runs | fa3 paged / fa3 contiguous | fa3 paged / fa2 paged | auto / fa2 paged | "
-             "eager fa3 paged / fa2 paged | fa3 paged us |", "|---|---|---|---|---|---|---|---|"]
+             "| batch | page | auto runs | fa3 paged / fa3 contiguous | dense FA-3 paged / its TMA pages | fa3 paged / fa2 paged | "
+             "auto / fa2 paged | eager fa3 paged / fa2 paged | fa3 paged us |", "|---|---|---|---|---|---|---|---|---|"]
     for r in results:
         fa3_us = r["graph_us"].get("fa3_paged")
         lines.append(f"| {r['batch']} | {r['page_size']} | {r['auto_backend']} | {cell(ratio(r, 'fa3_paged', 'fa3_contiguous'))} | "
+                     f"{cell(ratio(r, 'dense_fa3_paged', 'dense_fa3_tma_pages'))} | "
                      f"{cell(ratio(r, 'fa3_paged', 'fa2_paged'))} | {cell(ratio(r, 'auto_paged', 'fa2_paged'))} | "
                      f"{cell(ratio(r, 'fa3_paged', 'fa2_paged', 'eager_us'))} | "
                      f"{f'{statistics.median(fa3_us):.1f}' if isinstance(fa3_us, list) else fa3_us or '-'} |")
