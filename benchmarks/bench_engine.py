@@ -111,7 +111,7 @@ def paged_cache(k, v, seqlens_k, page_size: int, generator):
     return k_cache, v_cache, page_table
 
 
-def dense_fa3_calls(q, k, v, paged: dict, page_size: int):
+def dense_fa3_calls(q, k, v, k_cache, v_cache, paged: dict, page_size: int):
     """Dense FA-3 (flash_attn_3's flash_attn_with_kvcache, causal) over every key of the same cache
     in these pages and in pages of DENSE_TMA_PAGE keys, which it loads by TMA where its heuristic
     takes TMA (more packed query rows than a tile: the mixed batch, not decode alone): its own cost
@@ -125,7 +125,6 @@ def dense_fa3_calls(q, k, v, paged: dict, page_size: int):
     k_tma, v_tma, table_tma = paged_cache(k, v, seqlens_k, DENSE_TMA_PAGE, torch.Generator(device="cuda").manual_seed(page_size))
     common = dict(cache_seqlens=paged["seqused_k"], cu_seqlens_q=paged["cu_seqlens_q"], max_seqlen_q=paged["max_seqlen_q"],
                   causal=True)
-    k_cache, v_cache = paged["k_cache"], paged["v_cache"]
     return {"dense_fa3_paged": [lambda: flash_attn_with_kvcache(q, k_cache, v_cache, page_table=paged["page_table"], **common)],
             "dense_fa3_tma_pages": [lambda: flash_attn_with_kvcache(q, k_tma, v_tma, page_table=table_tma, **common)]}
 
@@ -140,7 +139,7 @@ def measure(shape, page_size: int, blocks, flush) -> dict:
         "auto_paged": [lambda b=b: call(q, k_cache, v_cache, b, **paged) for b in blocks],
         "fa3_contiguous": [lambda b=b: call(q, k, v, b, backend="fa3", **contiguous) for b in blocks],
     }
-    methods.update(dense_fa3_calls(q, k, v, dict(paged, k_cache=k_cache, v_cache=v_cache), page_size))
+    methods.update(dense_fa3_calls(q, k, v, k_cache, v_cache, paged, page_size))
     result = {"graph_us": {}, "eager_us": {}, "auto_backend": fas.choose_backend(q, k_cache, v_cache, blocks[0], **paged)[0]}
     for _ in range(PASSES):
         for name, calls in methods.items():

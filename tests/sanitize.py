@@ -437,10 +437,15 @@ def barrier_error_sites(baseline) -> set:
     return {without_launch(where) for what, where in baseline if what == "Barrier error"}
 
 
+def at_upstream_barrier_site(what: str, where: str, sites: set) -> bool:
+    """A synccheck barrier error at one of `sites` (barrier_error_sites of upstream's dense calls)."""
+    return what == "Barrier error" and without_launch(where) in sites
+
+
 def upstream_barrier_error(what: str, where: str, baseline) -> bool:
     """A synccheck barrier error at a site where upstream's dense calls alone get the same report
     (baseline: their (what, where) keys): the tool's reading of upstream's code, not this series'."""
-    return what == "Barrier error" and without_launch(where) in barrier_error_sites(baseline)
+    return at_upstream_barrier_site(what, where, barrier_error_sites(baseline))
 
 
 def sanitize(command, raw_dir=None, label="sanitize", excuse_handoff=False, tools=TOOLS, env=None, baseline=None,
@@ -473,7 +478,7 @@ def sanitize(command, raw_dir=None, label="sanitize", excuse_handoff=False, tool
                 set_apart["benign"] += n
             elif excuse_handoff and is_scheduler_handoff(what, where):
                 set_apart["excused"] += n
-            elif what == "Barrier error" and without_launch(where) in upstream_sites:
+            elif at_upstream_barrier_site(what, where, upstream_sites):
                 set_apart["upstream"] += n
             else:
                 real[(what, where)] = n

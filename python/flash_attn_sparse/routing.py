@@ -58,13 +58,10 @@ def runs_somewhere(call: SparseCall) -> bool:
 def fa3_reason(call: SparseCall) -> Optional[str]:
     """Why auto sends this call to fa3, or None: prefill-shaped, or decode whose GQA query heads
     FA-3 packs (where it packs, it led fa2 at every packed row count measured), and FA-3 takes it."""
-    traits = BACKENDS["fa3"].traits(call)
-    if traits.untimed:  # a path of FA-3's not yet timed against FA-2 (Traits.untimed)
-        return None
     rows = query_rows(call)
     if rows >= FA3_MIN_QUERY_ROWS:
         why = f"{rows:g} query rows per sequence"
-    elif (group := traits.packed_group) > 1:
+    elif (group := BACKENDS["fa3"].traits(call).packed_group) > 1:
         why = f"{rows:g} query rows x {group} query heads of a K/V head packed in a tile"
     else:
         return None

@@ -340,6 +340,7 @@ def test_backend_fa3_through_the_public_api():
     gapped per-K/V-head lists with an empty one), and refuses what the op does not take."""
     import flash_attn_sparse as fas
     from flash_attn_sparse import SparseBlocks, SparseInputError
+    from flash_attn_sparse.backends import fa3_ops
     from flash_attn_sparse.reference import attention_over_blocks
     from helpers import random_qkv
     g = torch.Generator(device="cuda").manual_seed(11)
@@ -380,7 +381,6 @@ def test_backend_fa3_through_the_public_api():
         q, k.reshape(2 * 128, 64, 4, 128), v.reshape(2 * 128, 64, 4, 128), blocks, backend="fa3",
         seqused_k=torch.tensor(seqused, dtype=torch.int32, device="cuda"),
         page_table=torch.arange(256, dtype=torch.int32, device="cuda").view(2, 128))
-    from flash_attn_sparse.backends import fa3_ops
     if "PAGEDKV" in fa3_ops.disabled():
         with pytest.raises(SparseInputError, match="multiple of 128"):
             paged()

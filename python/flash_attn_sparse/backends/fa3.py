@@ -37,8 +37,7 @@ def refusal(call) -> Optional[str]:
 
 def traits(call) -> Traits:
     """packed_group: the GQA group where the host packs a K/V head's query heads into one tile
-    (shared or per-K/V-head lists, any group), else 1. Every path fa3 takes is timed against FA-2
-    (untimed unset): pages that do not hold whole blocks (cp.async loads) too."""
+    (shared or per-K/V-head lists, any group), else 1."""
     return Traits(packed_group=fa3_ops.packed_group(call.q, call.k, call.effective_blocks(), call.max_seqlen_q))
 
 

@@ -105,11 +105,6 @@ def packed_group(q: Tensor, k: Tensor, blocks: SparseBlocks, seqlen_q: int) -> i
     return group if packs else 1
 
 
-def reads_pages_by_cp_async(page_size: Optional[int]) -> bool:
-    """Whether a paged cache of page_size keys (None: contiguous K/V) is read by cp.async loads, not TMA."""
-    return page_size is not None and page_size % PAGE_MULTIPLE != 0
-
-
 def refusal(q: Tensor, k: Tensor, blocks: SparseBlocks, *, varlen: bool, page_size: Optional[int] = None,
             seqused_k: bool = False, max_seqlen_q: Optional[int] = None) -> Optional[str]:
     """None if the FA-3 sparse kernel takes this call, else the first rule it breaks. page_size:
@@ -132,7 +127,7 @@ def refusal(q: Tensor, k: Tensor, blocks: SparseBlocks, *, varlen: bool, page_si
                                               ("VARLEN", varlen or seqused_k)) if needed and flag in disabled()]
     if compiled_out:
         return f"this flash_attn_3 build has no such kernels (FLASH_ATTENTION_DISABLE_{compiled_out[0]})"
-    cpasync_pages = reads_pages_by_cp_async(page_size)
+    cpasync_pages = page_size is not None and page_size % PAGE_MULTIPLE != 0  # read by cp.async loads, not TMA
     if cpasync_pages and fp8:
         return (f"the FA-3 sparse kernel takes FP8 K/V in pages of a multiple of {PAGE_MULTIPLE} keys only "
                 f"(TMA pages), got pages of {page_size}: pages of other sizes are not supported for FP8")

@@ -11,7 +11,6 @@ from torch import Tensor
 class Traits:
     """The facts of one call on one backend that routing weighs."""
     packed_group: int  # query heads whose rows share one tile (the GQA group where packed, else 1)
-    untimed: Optional[str] = None  # why auto leaves the call to other backends: a path not yet timed against them
 
 
 class Planned(Protocol):
