@@ -27,6 +27,8 @@ SUPPORTED_CUDA = ((12, 3), (14, 0))  # from FA-3's minimum up to, not including,
 SUPPORTED_TORCH = ((2, 9), (2, 15))  # the first CUDA 13 torch up to, not including, the first untried minor
 DEFAULT_CUDA_HOME = Path("/usr/local/cuda")  # torch's last guess
 TOOLKIT_HEADERS = "/usr/local/cuda*/include/cuda.h"  # where a hint for CUDA_HOME is looked for
+# The CUDA math library headers torch's ATen/cuda headers include; an nvcc-only toolkit lacks them.
+MATH_HEADERS = ("cublas_v2.h", "cublasLt.h", "cusparse.h", "cusolverDn.h")
 ARCH_ENV = "FLASH_ATTN_SPARSE_ARCH"
 CXX_STD_ENV = "FLASH_ATTENTION_CXX_STD"
 DEFAULT_CXX_STD = "c++17"
@@ -135,6 +137,11 @@ def check(environ: dict | None = None, torch: Torch | None = None) -> Toolchain:
         hint = f", e.g. CUDA_HOME={found[-1]}" if found else ""
         raise ToolError(f"CUDA headers not found: tried {header} (CUDA_HOME={home}, {origin}); set CUDA_HOME to "
                         f"the CUDA toolkit that holds include/cuda.h{hint}")
+    missing = [name for name in MATH_HEADERS if not (home / "include" / name).is_file()]
+    if missing:
+        raise ToolError(f"CUDA math library headers not found: {', '.join(missing)} not in {home / 'include'} "
+                        f"(CUDA_HOME={home}, {origin}); torch's CUDA headers include them: install the toolkit's "
+                        f"cuBLAS, cuSPARSE and cuSOLVER development headers, or set CUDA_HOME to a full CUDA toolkit")
     cuda = nvcc_version(nvcc)
     if not _within(cuda, SUPPORTED_CUDA):
         raise ToolError(f"CUDA {cuda[0]}.{cuda[1]} ({nvcc}) is outside what this build supports "

@@ -25,12 +25,15 @@ def executable(path: Path, text: str) -> Path:
     return path
 
 
-def toolkit(folder: Path, release: str = "13.0", headers: bool = True) -> Path:
-    """A CUDA toolkit folder whose bin/nvcc reports `release`, with include/cuda.h if headers."""
+def toolkit(folder: Path, release: str = "13.0", headers: bool = True, math_headers: bool = True) -> Path:
+    """A CUDA toolkit folder whose bin/nvcc reports `release`, with include/cuda.h if headers (and
+    the math library headers torch includes if math_headers)."""
     executable(folder / "bin" / "nvcc", f"#!/bin/sh\necho 'Cuda compilation tools, release {release}, V{release}.88'\n")
     if headers:
         (folder / "include").mkdir(parents=True)
         (folder / "include" / "cuda.h").write_text("#define CUDA_VERSION 13000\n")
+        for name in toolchain.MATH_HEADERS if math_headers else ():
+            (folder / "include" / name).write_text("#pragma once\n")
     return folder
 
 
@@ -82,6 +85,19 @@ def test_a_wrong_cuda_home_names_the_header_path_tried(nowhere, tmp_path):
     with pytest.raises(ToolError, match=f"^CUDA headers not found: tried {wrong}/include/cuda.h \\(CUDA_HOME={wrong}, "
                                         r"from \$CUDA_HOME\); set CUDA_HOME to the CUDA toolkit that holds include/cuda.h$"):
         toolchain.check({**nowhere, "CUDA_HOME": str(wrong)}, torch(tmp_path / "torch"))
+
+
+def test_an_nvcc_only_toolkit_names_the_missing_math_headers(nowhere, tmp_path):
+    """A toolkit with nvcc and cuda.h but not cuBLAS/cuSPARSE/cuSOLVER's headers (an nvcc-only
+    install): torch's ATen/cuda headers would fail to compile, so the build stops before."""
+    home = toolkit(tmp_path / "cuda", math_headers=False)
+    (home / "include" / "cublas_v2.h").write_text("#pragma once\n")
+    with pytest.raises(ToolError) as refused:
+        toolchain.check({**nowhere, "CUDA_HOME": str(home)}, torch(tmp_path / "torch"))
+    assert str(refused.value) == (
+        f"CUDA math library headers not found: cublasLt.h, cusparse.h, cusolverDn.h not in {home}/include "
+        f"(CUDA_HOME={home}, from $CUDA_HOME); torch's CUDA headers include them: install the toolkit's cuBLAS, "
+        f"cuSPARSE and cuSOLVER development headers, or set CUDA_HOME to a full CUDA toolkit")
 
 
 @pytest.mark.parametrize("release", ["11.8", "12.2", "14.0"])
