@@ -351,11 +351,12 @@ def short_name(signature: str) -> str:
     return words[-1] if words else signature.strip()
 
 
-def reports(output: str) -> collections.Counter:
+def reports(output: str, first_seen: dict | None = None) -> collections.Counter:
     """(what, where) -> count of the tool's reports: the report's first line (sizes and addresses
     dropped); where: the API call, or the function (file:line where the tool gives it) and the
     innermost Python frame of the launch (whose code launched it: a test's reference or a kernel);
-    a race names both its sites, "A with B"."""
+    a race names both its sites, "A with B". first_seen, if given, collects each key's first
+    report whole (its backtrace names the caller of a shared site such as a barrier)."""
     found, lines = collections.Counter(), output.splitlines()
     for i, line in enumerate(lines):
         match = REPORT.match(line)
@@ -364,6 +365,8 @@ def reports(output: str) -> collections.Counter:
         api = re.search(r"on CUDA API call to (\w+)", line)
         if api:
             found[(match.group(1), api.group(1))] += 1
+            if first_seen is not None:
+                first_seen.setdefault((match.group(1), api.group(1)), line)
             continue
         body = [line]
         for following in lines[i + 1:i + 80]:
@@ -374,7 +377,10 @@ def reports(output: str) -> collections.Counter:
         sites = sites[:2] if "Race reported" in match.group(1) else sites[:1]
         where = " with ".join(short_name(at.group(1)) + (f" ({at.group(2)})" if at.group(2) else "") for at in sites) or "?"
         python = next((m.group(1) for m in (re.search(r"Host Frame: (\w+ in [\w.]+\.py:\d+)", b) for b in body) if m), None)
-        found[(match.group(1), f"{where}, launched from {python}" if python else where)] += 1
+        key = (match.group(1), f"{where}, launched from {python}" if python else where)
+        found[key] += 1
+        if first_seen is not None:
+            first_seen.setdefault(key, "\n".join(body))
     return found
 
 
@@ -468,7 +474,11 @@ def sanitize(command, raw_dir=None, label="sanitize", excuse_handoff=False, tool
             print(f"{tool}: {cases.group(1)} fuzz cases, {wrong.group(1) if wrong else '?'} fuzz failures "
                   f"(runner exit {run.returncode})")
         summary = [line for line in run.stdout.splitlines() if re.search(r"(ERROR|RACECHECK) SUMMARY", line)]
-        found = reports(run.stdout)
+        first_seen = {}
+        found = reports(run.stdout, first_seen)
+        if raw_dir:  # the tail above may have lost a rare kind's backtrace: one whole report per kind
+            (Path(raw_dir) / f"{label}-{tool}-first-of-each.txt").write_text(
+                "\n\n".join(f"{n} x\n{first_seen[key]}" for key, n in found.most_common()))
         if seen is not None:
             seen.setdefault(tool, set()).update(found)
         upstream_sites = barrier_error_sites((baseline or {}).get(tool, ()))

@@ -31,6 +31,14 @@ def test_reports_are_grouped_by_kind_and_place():
                                                                     "flash::Scheduler::get_next_work (tile_scheduler.hpp:701)"): 1}
 
 
+def test_the_first_report_of_each_kind_is_kept_whole():
+    first_seen = {}
+    found = sanitize.reports(MEMCHECK, first_seen)
+    assert set(first_seen) == set(found)
+    invalid = next(text for (what, _), text in first_seen.items() if what.startswith("Invalid"))
+    assert invalid.splitlines() == MEMCHECK.splitlines()[6:9]
+
+
 def test_only_the_runtime_probes_count_as_benign():
     assert all(where.startswith(sanitize.BENIGN_API_ERRORS) for (what, where) in sanitize.reports(MEMCHECK)
                if what.startswith("Program hit"))
