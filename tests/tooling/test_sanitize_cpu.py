@@ -36,7 +36,7 @@ def test_the_first_report_of_each_kind_is_kept_whole():
     found = sanitize.reports(MEMCHECK, first_seen)
     assert set(first_seen) == set(found)
     invalid = next(text for (what, _), text in first_seen.items() if what.startswith("Invalid"))
-    assert invalid.splitlines() == MEMCHECK.splitlines()[6:9]
+    assert invalid.splitlines() == MEMCHECK.splitlines()[5:8]
 
 
 def test_only_the_runtime_probes_count_as_benign():
