@@ -17,6 +17,7 @@ writes gqa.json (every timing) and gqa.md (the summary per group, then every poi
 
 import argparse
 import json
+import math
 import random
 import statistics
 import sys
@@ -58,6 +59,7 @@ class Point:
     auto_backend: str = ""
     graph_us: dict = field(default_factory=dict)  # method -> [us per pass]
     eager_us: dict = field(default_factory=dict)
+    splits: dict = field(default_factory=dict)  # with --split-rules: rule -> split count
 
     @property
     def name(self) -> str:
@@ -122,18 +124,45 @@ def run_sweep(args, written=lambda points: None) -> list:
                     for group in args.groups:
                         q = torch.randn(batch, seqlen_q, HEADS_K * group, HEAD_DIM, device="cuda", generator=g).bfloat16()
                         point = measure_point(Point(batch, seqlen_q, group, seqlen_k, density), q, k, v, blocks, listed,
-                                              dense, flush_buffer.zero_)
+                                              dense, flush_buffer.zero_, args.split_rules)
                         print(summary_line(point), flush=True)
                         points.append(point)
                         written(points)
     return points
 
 
-def measure_point(point: Point, q, k, v, blocks, listed, dense, flush) -> Point:
-    """Every method at one point, PASSES times in turn."""
+def wave_efficiency_splits(tiles: int, num_sms: int, n_blocks: int, max_splits: int = 128) -> int:
+    """Upstream FA-3's split rule (hopper/heuristics.h, num_splits_heuristic, without its L2 branch):
+    the fewest splits whose wave efficiency (tiles * splits / SMs over its ceiling) is within 85% of
+    the best, one split when the tiles nearly fill the SMs or there are at most 4 key blocks."""
+    if tiles >= 0.8 * num_sms or n_blocks <= 4:
+        return 1
+    efficiency = [tiles * s / num_sms / math.ceil(tiles * s / num_sms) for s in range(1, min(max_splits, num_sms, n_blocks) + 1)]
+    return next(s for s, e in enumerate(efficiency, 1) if e >= 0.85 * max(efficiency))
+
+
+def fa3_tiles(point: Point, tile_rows: int = 0) -> int:
+    """The packed decode call's M tiles on fa3: of tile_rows rows, by default as its split kernel
+    tiles them (64 rows where the packed rows fit, else 128). With 128, the count fa3's host
+    splits by (sparse_kernel_choice.h's sparse_auto_num_splits, mirrored for the table)."""
+    rows = point.seqlen_q * point.group
+    return point.batch * HEADS_K * -(-rows // (tile_rows or (64 if rows <= 64 else 128)))
+
+
+def measure_point(point: Point, q, k, v, blocks, listed, dense, flush, split_rules=()) -> Point:
+    """Every method at one point, PASSES times in turn; split_rules: "efficiency" adds fa3 at
+    wave_efficiency_splits' count (method fa3_efficiency_splits)."""
     point.auto_backend = fas.choose_backend(q, k, v, blocks[0])[0]
     methods = {name: [lambda b=b, name=name: fas.flash_attn_with_sparse_block_table(q, k, v, b, backend=name)
                       for b in blocks] for name in ("auto", "fa3", "fa2")}
+    if "efficiency" in split_rules:
+        n_blocks = int(blocks[0].full_cnt.max())
+        splits = wave_efficiency_splits(fa3_tiles(point), torch.cuda.get_device_properties(0).multi_processor_count, n_blocks)
+        sms, tiles = torch.cuda.get_device_properties(0).multi_processor_count, fa3_tiles(point, 128)
+        point.splits = {"fa3": 1 if tiles >= sms else max(1, min(sms // tiles, n_blocks // 2)), "efficiency": splits}
+        methods["fa3_efficiency_splits"] = [lambda b=b: fas.flash_attn_with_sparse_block_table(q, k, v, b, backend="fa3",
+                                                                                              num_splits=splits)
+                                            for b in blocks]
     methods["dense_fa3_listed"] = [lambda kl=kl, vl=vl: dense(q, kl, vl) for kl, vl in listed]
     dense_128 = fa3_dense_128(q, point.seqlen_q)
     if isinstance(dense_128, str):
@@ -212,6 +241,8 @@ def main():
     parser.add_argument("--groups", type=ints, default=[1, 2, 3, 4, 5, 6, 7, 8, 16])
     parser.add_argument("--seqlens-k", type=ints, default=[32768, 131072])
     parser.add_argument("--densities", type=lambda text: [float(x) for x in text.split(",")], default=[1 / 8, 1 / 16])
+    parser.add_argument("--split-rules", type=lambda text: text.split(","), default=[],
+                        help="efficiency: also time fa3 at upstream FA-3's wave-efficiency split count")
     parser.add_argument("--out", type=Path, default=Path("."))
     args = parser.parse_args()
     gpu = torch.cuda.get_device_name()
