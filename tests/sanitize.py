@@ -10,7 +10,8 @@ non-split, split, GQA-packed, paged, varlen, decode-tile, key-split-tile, one-la
 and partials + combine paths, and FA-3's sparse kernel (fa3_cases; its e4m3 kernels where the
 build has them), small enough for the tools.
 Where FA-3 is built, racecheck and synccheck (MANY_TILE_TOOLS) then run over FA-3 calls of more
-tiles than SMs with list lengths skewed across tiles (--only fa3-many-tiles: many_tile_cases),
+tiles than SMs with list lengths skewed across tiles (--only fa3-many-tiles: many_tile_cases;
+synccheck, which ends a launch at its first report, one process per call: --case-index),
 where each persistent CTA hands its barriers and K/V pipeline from tile to tile; and every tool
 over upstream FA-3's dense calls of the same shapes alone (--upstream-fa3-cases, with --only
 fa3-many-tiles the many-tile ones), run first, to tell upstream's (or the tool's) reports from
@@ -47,12 +48,13 @@ from flash_attn_sparse.metadata import pack_varlen_lists
 from helpers import skewed_rows
 
 
-def cases(only=None):
-    """Every case, or with only="fa3" FA-3's (fa3_cases), or with only=MANY_TILES the many-tile ones."""
+def cases(only=None, index=None):
+    """Every case, or with only="fa3" FA-3's (fa3_cases), or with only=MANY_TILES the many-tile ones
+    (with index, the one many-tile call at that place of many_tile_plan)."""
     g = torch.Generator(device="cuda").manual_seed(0)
     randn = lambda *shape: torch.randn(*shape, generator=g, device="cuda").bfloat16()
     if only in ("fa3", MANY_TILES):
-        (fa3_cases if only == "fa3" else many_tile_cases)(randn)
+        fa3_cases(randn) if only == "fa3" else many_tile_cases(randn, index)
         torch.cuda.synchronize()
         return
     batch, seqlen_q, seqlen_k, heads, heads_k, dim, block = 2, 16, 1000, 4, 2, 128, 64
@@ -269,28 +271,53 @@ def many_tile_inputs(randn):
     return batched, varlen
 
 
-def many_tile_cases(randn):
+def many_tile_plan() -> list:
+    """The many-tile calls in order: (layout, table heads, causal, num_splits); layout "batched" or
+    "varlen". Per (table heads, causal): batched calls (a split one too where packed and causal),
+    then the varlen call."""
+    plan = []
+    for table_heads in (MANY_TILE_HEADS_K, MANY_TILE_HEADS):
+        for causal in (False, True):
+            for num_splits in (1, 3) if table_heads == MANY_TILE_HEADS_K and causal else (1,):
+                plan.append(("batched", table_heads, causal, num_splits))
+            plan.append(("varlen", table_heads, causal, 2 if causal else 1))
+    return plan
+
+
+def many_tile_calls(randn) -> list:
     """FA-3's sparse kernel (backend="fa3") over more tiles than SMs, lists skewed across tiles:
     packed GQA (per-K/V-head lists) and not (per query head), causal and not; batched unsplit
-    (persistent; one split call too) and varlen split and not (persistent both)."""
+    (persistent; one split call too) and varlen split and not (persistent both), as many_tile_plan
+    orders them. One callable per call, so that a tool that ends a launch at its first report
+    (synccheck) can check each in a process of its own."""
+    (q, k, v), (qv, kv, vv, cu_q, cu_k) = many_tile_inputs(randn)
+    seqlen_k = k.shape[1]
+    calls = []
+    for layout, table_heads, causal, num_splits in many_tile_plan():
+        if layout == "batched":
+            full, mask = many_tile_lists(table_heads, causal, [MANY_TILE_SEQLEN_Q] * MANY_TILE_BATCH,
+                                         [seqlen_k] * MANY_TILE_BATCH, seed=table_heads + causal)
+            blocks = SparseBlocks.from_lists(full, mask if causal else None, block_size=128, q_block_size=128, device="cuda")
+            calls.append(lambda blocks=blocks, causal=causal, num_splits=num_splits: fas.flash_attn_with_sparse_block_table(
+                q, k, v, blocks, causal=causal, num_splits=num_splits, backend="fa3"))
+        else:
+            full, mask = many_tile_lists(table_heads, causal, MANY_TILE_VARLEN_Q, MANY_TILE_VARLEN_K, seed=10 + table_heads + causal)
+            vblocks = pack_varlen_lists(full, mask if causal else None, 128, 128, device="cuda")
+            calls.append(lambda vblocks=vblocks, causal=causal, num_splits=num_splits: fas.flash_attn_varlen_with_sparse_blocks(
+                qv, kv, vv, vblocks, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=max(MANY_TILE_VARLEN_Q),
+                max_seqlen_k=max(MANY_TILE_VARLEN_K), causal=causal, num_splits=num_splits, backend="fa3"))
+    return calls
+
+
+def many_tile_cases(randn, index=None):
+    """The many-tile calls (many_tile_calls), all of them or the one at `index`."""
     from flash_attn_sparse.backends import fa3_ops
     if fa3_ops.missing_build() is not None:
         print(f"fa3 many tiles: not in this build ({fa3_ops.missing_build()})", flush=True)
         return
-    (q, k, v), (qv, kv, vv, cu_q, cu_k) = many_tile_inputs(randn)
-    seqlen_k = k.shape[1]
-    for table_heads in (MANY_TILE_HEADS_K, MANY_TILE_HEADS):
-        for causal in (False, True):
-            full, mask = many_tile_lists(table_heads, causal, [MANY_TILE_SEQLEN_Q] * MANY_TILE_BATCH,
-                                         [seqlen_k] * MANY_TILE_BATCH, seed=table_heads + causal)
-            blocks = SparseBlocks.from_lists(full, mask if causal else None, block_size=128, q_block_size=128, device="cuda")
-            for num_splits in (1, 3) if table_heads == MANY_TILE_HEADS_K and causal else (1,):
-                fas.flash_attn_with_sparse_block_table(q, k, v, blocks, causal=causal, num_splits=num_splits, backend="fa3")
-            full, mask = many_tile_lists(table_heads, causal, MANY_TILE_VARLEN_Q, MANY_TILE_VARLEN_K, seed=10 + table_heads + causal)
-            vblocks = pack_varlen_lists(full, mask if causal else None, 128, 128, device="cuda")
-            fas.flash_attn_varlen_with_sparse_blocks(qv, kv, vv, vblocks, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k,
-                                                     max_seqlen_q=max(MANY_TILE_VARLEN_Q), max_seqlen_k=max(MANY_TILE_VARLEN_K),
-                                                     causal=causal, num_splits=2 if causal else 1, backend="fa3")
+    calls = many_tile_calls(randn)
+    for call in calls if index is None else calls[index:index + 1]:
+        call()
     print("fa3 many tiles: ok", flush=True)
 
 
@@ -317,18 +344,29 @@ def upstream_fa3_cases():
     print("upstream fa3 dense: ok", flush=True)
 
 
-def upstream_many_tile_cases():
+# Upstream's dense calls of the many-tile shapes in order: (layout, pack_gqa, causal).
+UPSTREAM_MANY_TILE_PLAN = ([("batched", pack_gqa, causal) for pack_gqa in (True, False) for causal in (False, True)]
+                           + [("varlen", None, causal) for causal in (False, True)])
+
+
+def upstream_many_tile_calls() -> list:
     """Upstream FA-3's dense calls of the many-tile cases' shapes and paths (packed GQA and not,
-    causal and not, varlen split and not), in a process of their own."""
+    causal and not, varlen split and not), one callable per UPSTREAM_MANY_TILE_PLAN entry."""
     from flash_attn_interface import flash_attn_func, flash_attn_varlen_func
     g = torch.Generator(device="cuda").manual_seed(0)
     (q, k, v), (qv, kv, vv, cu_q, cu_k) = many_tile_inputs(lambda *shape: torch.randn(*shape, generator=g, device="cuda").bfloat16())
-    for pack_gqa in (True, False):
-        for causal in (False, True):
-            flash_attn_func(q, k, v, causal=causal, num_splits=1, pack_gqa=pack_gqa)
-    for causal in (False, True):
-        flash_attn_varlen_func(qv, kv, vv, cu_q, cu_k, max(MANY_TILE_VARLEN_Q), max(MANY_TILE_VARLEN_K), causal=causal,
-                               num_splits=2 if causal else 1)
+    return [(lambda pack_gqa=pack_gqa, causal=causal: flash_attn_func(q, k, v, causal=causal, num_splits=1, pack_gqa=pack_gqa))
+            if layout == "batched" else
+            (lambda causal=causal: flash_attn_varlen_func(qv, kv, vv, cu_q, cu_k, max(MANY_TILE_VARLEN_Q), max(MANY_TILE_VARLEN_K),
+                                                          causal=causal, num_splits=2 if causal else 1))
+            for layout, pack_gqa, causal in UPSTREAM_MANY_TILE_PLAN]
+
+
+def upstream_many_tile_cases(index=None):
+    """upstream_many_tile_calls, all of them or the one at `index`, in a process of their own."""
+    calls = upstream_many_tile_calls()
+    for call in calls if index is None else calls[index:index + 1]:
+        call()
     torch.cuda.synchronize()
     print("upstream fa3 dense, many tiles: ok", flush=True)
 
@@ -454,28 +492,49 @@ def upstream_barrier_error(what: str, where: str, baseline) -> bool:
     return at_upstream_barrier_site(what, where, barrier_error_sites(baseline))
 
 
+# synccheck ends a launch at its first barrier report and the process's later launches then fail,
+# so over commands that take --case-index it checks each call in a process of its own.
+PER_CALL_TOOLS = ("synccheck",)
+
+
+def run_tool(tool: str, command: list, env=None, calls: int | None = None) -> tuple:
+    """(exit code, stdout, stderr) of compute-sanitizer's `tool` over `command`; for PER_CALL_TOOLS
+    with `calls`, one process per call (`--case-index i`), their outputs joined, the worst exit
+    kept and a last summary line totalling their errors."""
+    prefix = ["compute-sanitizer", "--tool", tool, "--print-limit", str(PRINT_LIMIT.get(tool, 400)),
+              *TOOL_OPTIONS.get(tool, [])]
+    if tool not in PER_CALL_TOOLS or not calls:
+        run = subprocess.run([*prefix, *command], capture_output=True, text=True, env=env)
+        return run.returncode, run.stdout, run.stderr
+    runs = [subprocess.run([*prefix, *command, "--case-index", str(i)], capture_output=True, text=True, env=env)
+            for i in range(calls)]
+    total = sum(int(m.group(1)) for run in runs for m in re.finditer(r"ERROR SUMMARY: (\d+) error", run.stdout))
+    stdout = "".join(run.stdout for run in runs) + f"========= ERROR SUMMARY: {total} errors over {calls} processes\n"
+    return max(run.returncode for run in runs), stdout, "".join(run.stderr for run in runs)
+
+
 def sanitize(command, raw_dir=None, label="sanitize", excuse_handoff=False, tools=TOOLS, env=None, baseline=None,
-             seen=None) -> int:
-    """Each tool over `command`: clean when it exits 0 and reports nothing but benign API errors
+             seen=None, calls=None) -> int:
+    """Each tool over `command`: clean when it exits 0 (or, synccheck checking call by call, ends
+    launches on reports all set apart) and reports nothing but benign API errors
     (their count is printed), with excuse_handoff (the probe's verdict) races of upstream's
     scheduler hand-off, and with baseline ({tool: keys of upstream's dense calls' reports}) barrier
     errors at sites upstream's calls also get (both counted apart). Prints the kinds of report and
-    where, most frequent first; seen ({tool: set}) collects every report's key."""
+    where, most frequent first; seen ({tool: set}) collects every report's key; calls: how many
+    calls `command --case-index i` selects (see run_tool)."""
     failed = 0
     for tool in tools:
-        limit = str(PRINT_LIMIT.get(tool, 400))
-        run = subprocess.run(["compute-sanitizer", "--tool", tool, "--print-limit", limit, *TOOL_OPTIONS.get(tool, []), *command],
-                             capture_output=True, text=True, env=env)
+        returncode, stdout, stderr = run_tool(tool, command, env, calls)
         if raw_dir:
-            (Path(raw_dir) / f"{label}-{tool}.txt").write_text(run.stdout[-4_000_000:] + run.stderr[-100_000:])
-        cases = re.search(r"configurations run: (\d+)", run.stdout)
+            (Path(raw_dir) / f"{label}-{tool}.txt").write_text(stdout[-4_000_000:] + stderr[-100_000:])
+        cases = re.search(r"configurations run: (\d+)", stdout)
         if cases:
-            wrong = re.search(r"failures: (\d+)", run.stdout)
+            wrong = re.search(r"failures: (\d+)", stdout)
             print(f"{tool}: {cases.group(1)} fuzz cases, {wrong.group(1) if wrong else '?'} fuzz failures "
-                  f"(runner exit {run.returncode})")
-        summary = [line for line in run.stdout.splitlines() if re.search(r"(ERROR|RACECHECK) SUMMARY", line)]
+                  f"(runner exit {returncode})")
+        summary = [line for line in stdout.splitlines() if re.search(r"(ERROR|RACECHECK) SUMMARY", line)]
         first_seen = {}
-        found = reports(run.stdout, first_seen)
+        found = reports(stdout, first_seen)
         if raw_dir:  # the tail above may have lost a rare kind's backtrace: one whole report per kind
             (Path(raw_dir) / f"{label}-{tool}-first-of-each.txt").write_text(
                 "\n\n".join(f"{n} x\n{first_seen[key]}" for key, n in found.most_common()))
@@ -493,9 +552,12 @@ def sanitize(command, raw_dir=None, label="sanitize", excuse_handoff=False, tool
             else:
                 real[(what, where)] = n
         benign, excused, upstream = set_apart["benign"], set_apart["excused"], set_apart["upstream"]
-        clean = run.returncode == 0 and bool(summary) and not real
+        # Checked call by call, synccheck ends a launch at its first report: a nonzero exit after
+        # reports all set apart is the tool's (one process over many calls checks its first only).
+        ended_by_tool = tool in PER_CALL_TOOLS and bool(calls) and bool(found) and not real
+        clean = (returncode == 0 or ended_by_tool) and bool(summary) and not real
         failed += not clean
-        print(f"{tool}: {'clean' if clean else 'FOUND ERRORS'} ({summary[-1].strip('= ') if summary else run.stdout[-300:]}; "
+        print(f"{tool}: {'clean' if clean else 'FOUND ERRORS'} ({summary[-1].strip('= ') if summary else stdout[-300:]}; "
               f"{benign} benign API errors of {', '.join(BENIGN_API_ERRORS)} among the printed reports"
               + (f"; {excused} races of upstream's scheduler hand-off set apart by the probe" if excused else "")
               + (f"; {upstream} barrier errors at sites upstream's dense calls also report" if upstream else "") + ")")
@@ -534,13 +596,14 @@ if __name__ == "__main__":
     raw = raw_dir(sys.argv)
     loading = option(sys.argv, "--module-loading")
     env = {**os.environ, "CUDA_MODULE_LOADING": loading.upper()} if loading else None
+    index = int(option(sys.argv, "--case-index")) if "--case-index" in sys.argv else None
     if "--cases" in sys.argv:
-        cases(only=option(sys.argv, "--only"))
+        cases(only=option(sys.argv, "--only"), index=index)
     elif "--fuzz-subset" in sys.argv:
         excuse = "racecheck" in tools and racecheck_misreads_named_barriers(raw)  # only racecheck needs it
         sys.exit(sanitize(fuzz_subset_command(sys.argv), raw, excuse_handoff=excuse, tools=tools, env=env))
     elif "--upstream-fa3-cases" in sys.argv:
-        upstream_many_tile_cases() if option(sys.argv, "--only") == MANY_TILES else upstream_fa3_cases()
+        upstream_many_tile_cases(index) if option(sys.argv, "--only") == MANY_TILES else upstream_fa3_cases()
     else:
         excuse = "racecheck" in tools and racecheck_misreads_named_barriers(raw)  # only racecheck needs it
         only = option(sys.argv, "--only")
@@ -556,7 +619,8 @@ if __name__ == "__main__":
                          env=env, seen=baseline)  # not excused
             if many_tools:
                 sanitize([sys.executable, __file__, "--upstream-fa3-cases", "--only", MANY_TILES], raw,
-                         f"upstream-fa3-{MANY_TILES}", tools=many_tools, env=env, seen=baseline)  # not excused
+                         f"upstream-fa3-{MANY_TILES}", tools=many_tools, env=env, seen=baseline,
+                         calls=len(UPSTREAM_MANY_TILE_PLAN))  # not excused
             print("this series' calls:", flush=True)
         failed = 0
         if only != MANY_TILES:
@@ -565,5 +629,6 @@ if __name__ == "__main__":
         if fa3 and many_tools:
             print(f"FA-3 over more tiles than SMs, lists skewed across tiles ({', '.join(many_tools)}):", flush=True)
             failed |= sanitize([sys.executable, __file__, "--cases", "--only", MANY_TILES], raw,
-                               f"{label}-{MANY_TILES}", excuse, many_tools, env, baseline=baseline)
+                               f"{label}-{MANY_TILES}", excuse, many_tools, env, baseline=baseline,
+                               calls=len(many_tile_plan()))
         sys.exit(failed)

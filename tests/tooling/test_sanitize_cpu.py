@@ -2,6 +2,10 @@
 the CUDA runtime's cuGetProcAddress probes told apart from kernel faults; its tools, and the
 shapes and lists of its many-tile FA-3 cases."""
 
+import os
+
+import pytest
+
 import sanitize
 from helpers import SKEWED_LIST_LENGTHS
 
@@ -142,3 +146,43 @@ def test_the_many_tile_cases_have_more_tiles_than_sms_and_skewed_lists():
                            for f, m in zip(full_h, mask_h)]
                 assert set(lengths) >= set(SKEWED_LIST_LENGTHS) and lengths != sorted(lengths)
                 assert any(row != sorted(row) for full_b in full for full_h in full_b for row in full_h)
+
+
+def test_the_many_tile_plans_cover_every_path_in_order():
+    """The calls synccheck checks one process each (--case-index): packed and not, causal and not,
+    batched and varlen, split and not, for the sparse kernel and upstream's dense one."""
+    plan = sanitize.many_tile_plan()
+    assert {(layout, heads, causal) for layout, heads, causal, _ in plan} == {
+        (layout, heads, causal) for layout in ("batched", "varlen")
+        for heads in (sanitize.MANY_TILE_HEADS_K, sanitize.MANY_TILE_HEADS) for causal in (False, True)}
+    assert {splits > 1 for *_, splits in plan} == {False, True} and len(plan) == 9
+    assert {(layout, causal) for layout, _, causal in sanitize.UPSTREAM_MANY_TILE_PLAN} == {
+        (layout, causal) for layout in ("batched", "varlen") for causal in (False, True)}
+
+
+@pytest.fixture
+def synccheck_stand_in(tmp_path, monkeypatch):
+    """A compute-sanitizer on PATH that reports one barrier error per process and exits 1, as
+    synccheck does when it ends a launch; it echoes its last argument to stderr."""
+    fake = tmp_path / "compute-sanitizer"
+    fake.write_text('#!/bin/sh\nfor a; do last=$a; done\necho "========= Barrier error detected. Missing wait."\n'
+                    'echo "=========     at f()+0x10 in barrier.h:508"\necho "========= ERROR SUMMARY: 1 error"\n'
+                    'echo "case $last" >&2\nexit 1\n')
+    fake.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{tmp_path}:{os.environ['PATH']}")
+
+
+def test_synccheck_checks_each_call_in_a_process_of_its_own(synccheck_stand_in):
+    code, stdout, stderr = sanitize.run_tool("synccheck", ["python", "x.py"], calls=3)
+    assert code == 1 and stderr.split() == ["case", "0", "case", "1", "case", "2"]
+    assert stdout.count("Barrier error") == 3 and stdout.endswith("ERROR SUMMARY: 3 errors over 3 processes\n")
+    code, stdout, stderr = sanitize.run_tool("racecheck", ["python", "x.py"], calls=3)  # one process
+    assert stdout.count("Barrier error") == 1 and stderr.split() == ["case", "x.py"]
+
+
+def test_a_launch_synccheck_ended_on_upstreams_reports_is_clean_only_call_by_call(synccheck_stand_in):
+    upstream = {"synccheck": {("Barrier error", "f (barrier.h:508)")}}
+    assert sanitize.sanitize(["python", "x.py"], tools=("synccheck",), baseline=upstream, calls=2) == 0
+    # One process over many calls: its first launch ended, the rest unchecked: not clean.
+    assert sanitize.sanitize(["python", "x.py"], tools=("synccheck",), baseline=upstream) == 1
+    assert sanitize.sanitize(["python", "x.py"], tools=("synccheck",), calls=2) == 1  # not upstream's: a finding
