@@ -47,8 +47,8 @@ from forktools.wheelbuild import (
 
 UPSTREAM = "flash-attn-3"
 PACKAGE = "flash_attn_3"
-GIB_PER_JOB = 6  # one FA-3 unit peaks at ~5.3 GB
-GIB_FOR_FA2 = 32  # left to the FA-2 build running beside it
+GIB_PER_JOB = 6  # one FA-3 unit peaks at ~5.3 GB (an FA-2 unit at ~5.1 GB)
+GIB_FOR_FA2 = 32  # left to the FA-2 build running beside it, at most GIB_PER_JOB per FA-2 job
 DEV_OFF = ["BACKWARD", "PAGEDKV", "APPENDKV", "LOCAL", "SOFTCAP", "FP8", "CLUSTER", "SM80",
            "HDIM96", "HDIM192", "HDIM256", "HDIMDIFF"]
 DEV_KERNELS = [f"flash_fwd_hdim{d}_{t}{kind}_sm90.cu"
@@ -93,11 +93,13 @@ def wheel_glob(label: str) -> str:
 
 
 def default_jobs(jobs: int | None, beside_fa2: bool = False) -> int:
-    """Parallel units: the CPUs, but no more than the memory (less what FA-2's build takes when it
-    runs beside) allows at ~6 GB a unit: e.g. on a 16-core, 128 GB host 16 alone, 15 beside FA-2."""
+    """Parallel units: the CPUs, but no more than the memory (less what FA-2's build, with as many
+    jobs, takes when it runs beside) allows at ~6 GB a unit: e.g. on a 16-core, 128 GB host 16
+    alone, 15 beside FA-2; on a 2-core, 24 GB one 2 either way."""
     cpus = jobs or os.cpu_count() or 1
     memory_gib = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
-    return max(1, min(cpus, int((memory_gib - (GIB_FOR_FA2 if beside_fa2 else 0)) // GIB_PER_JOB)))
+    for_fa2 = min(GIB_FOR_FA2, cpus * GIB_PER_JOB) if beside_fa2 else 0
+    return max(1, min(cpus, int((memory_gib - for_fa2) // GIB_PER_JOB)))
 
 
 def version_label(layout: Layout, profile: str = "dev", mutations: list[Path] = ()) -> str:

@@ -166,3 +166,16 @@ def test_the_paged_option_lifts_dev_s_pagedkv_flag_and_names_it_after_fp8(monkey
     assert set(build_fa3.PROFILES["dev"]) - set(build_fa3.profile_env("dev")) == {
         "FLASH_ATTENTION_DISABLE_PAGEDKV", "FLASH_ATTENTION_DISABLE_FP8"}
     assert build_fa3.profile_name("dev") == "dev.fp8.paged" and build_fa3.profile_name("full") == "full"
+
+
+@pytest.mark.parametrize("cpus,memory_gib,alone,beside", [
+    (16, 124, 16, 15),  # a "128 GB" host: FA-2's build is left 32 GB
+    (2, 24, 2, 2),      # FA-2's two jobs are left 12 GB, not 32 (which left FA-3 one job)
+    (8, 16, 2, 1),
+])
+def test_fa3_jobs_fit_the_memory_left_beside_fa2(monkeypatch, cpus, memory_gib, alone, beside):
+    monkeypatch.setattr(build_fa3.os, "cpu_count", lambda: cpus)
+    pages = {"SC_PAGE_SIZE": 4096, "SC_PHYS_PAGES": memory_gib * 2**30 // 4096}
+    monkeypatch.setattr(build_fa3.os, "sysconf", lambda name: pages[name])
+    assert build_fa3.default_jobs(None) == alone
+    assert build_fa3.default_jobs(None, beside_fa2=True) == beside
