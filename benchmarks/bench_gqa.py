@@ -156,10 +156,10 @@ def measure_point(point: Point, q, k, v, blocks, listed, dense, flush, split_rul
     methods = {name: [lambda b=b, name=name: fas.flash_attn_with_sparse_block_table(q, k, v, b, backend=name)
                       for b in blocks] for name in ("auto", "fa3", "fa2")}
     if "efficiency" in split_rules:
-        n_blocks = int(blocks[0].full_cnt.max())
-        splits = wave_efficiency_splits(fa3_tiles(point), torch.cuda.get_device_properties(0).multi_processor_count, n_blocks)
-        sms, tiles = torch.cuda.get_device_properties(0).multi_processor_count, fa3_tiles(point, 128)
-        point.splits = {"fa3": 1 if tiles >= sms else max(1, min(sms // tiles, n_blocks // 2)), "efficiency": splits}
+        n_blocks, sms = int(blocks[0].full_cnt.max()), torch.cuda.get_device_properties(0).multi_processor_count
+        splits = wave_efficiency_splits(fa3_tiles(point), sms, n_blocks)
+        host_tiles = fa3_tiles(point, 128)
+        point.splits = {"fa3": 1 if host_tiles >= sms else max(1, min(sms // host_tiles, n_blocks // 2)), "efficiency": splits}
         methods["fa3_efficiency_splits"] = [lambda b=b: fas.flash_attn_with_sparse_block_table(q, k, v, b, backend="fa3",
                                                                                               num_splits=splits)
                                             for b in blocks]

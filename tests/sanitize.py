@@ -288,25 +288,31 @@ def many_tile_calls(randn) -> list:
     """FA-3's sparse kernel (backend="fa3") over more tiles than SMs, lists skewed across tiles:
     packed GQA (per-K/V-head lists) and not (per query head), causal and not; batched unsplit
     (persistent; one split call too) and varlen split and not (persistent both), as many_tile_plan
-    orders them. One callable per call, so that a tool that ends a launch at its first report
-    (synccheck) can check each in a process of its own."""
+    orders them. One callable per call, each building its own lists when called, so that a tool
+    that ends a launch at its first report (synccheck) can check each in a process of its own."""
     (q, k, v), (qv, kv, vv, cu_q, cu_k) = many_tile_inputs(randn)
     seqlen_k = k.shape[1]
-    calls = []
-    for layout, table_heads, causal, num_splits in many_tile_plan():
+
+    def call(layout, table_heads, causal, num_splits):
         if layout == "batched":
             full, mask = many_tile_lists(table_heads, causal, [MANY_TILE_SEQLEN_Q] * MANY_TILE_BATCH,
                                          [seqlen_k] * MANY_TILE_BATCH, seed=table_heads + causal)
             blocks = SparseBlocks.from_lists(full, mask if causal else None, block_size=128, q_block_size=128, device="cuda")
-            calls.append(lambda blocks=blocks, causal=causal, num_splits=num_splits: fas.flash_attn_with_sparse_block_table(
-                q, k, v, blocks, causal=causal, num_splits=num_splits, backend="fa3"))
-        else:
-            full, mask = many_tile_lists(table_heads, causal, MANY_TILE_VARLEN_Q, MANY_TILE_VARLEN_K, seed=10 + table_heads + causal)
-            vblocks = pack_varlen_lists(full, mask if causal else None, 128, 128, device="cuda")
-            calls.append(lambda vblocks=vblocks, causal=causal, num_splits=num_splits: fas.flash_attn_varlen_with_sparse_blocks(
-                qv, kv, vv, vblocks, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=max(MANY_TILE_VARLEN_Q),
-                max_seqlen_k=max(MANY_TILE_VARLEN_K), causal=causal, num_splits=num_splits, backend="fa3"))
-    return calls
+            fas.flash_attn_with_sparse_block_table(q, k, v, blocks, causal=causal, num_splits=num_splits, backend="fa3")
+            return
+        full, mask = many_tile_lists(table_heads, causal, MANY_TILE_VARLEN_Q, MANY_TILE_VARLEN_K, seed=10 + table_heads + causal)
+        vblocks = pack_varlen_lists(full, mask if causal else None, 128, 128, device="cuda")
+        fas.flash_attn_varlen_with_sparse_blocks(qv, kv, vv, vblocks, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k,
+                                                 max_seqlen_q=max(MANY_TILE_VARLEN_Q), max_seqlen_k=max(MANY_TILE_VARLEN_K),
+                                                 causal=causal, num_splits=num_splits, backend="fa3")
+
+    return [lambda entry=entry: call(*entry) for entry in many_tile_plan()]
+
+
+def run_selected(calls: list, index=None) -> None:
+    """Every call, or the one at `index` (a --case-index)."""
+    for call in calls if index is None else calls[index:index + 1]:
+        call()
 
 
 def many_tile_cases(randn, index=None):
@@ -315,9 +321,7 @@ def many_tile_cases(randn, index=None):
     if fa3_ops.missing_build() is not None:
         print(f"fa3 many tiles: not in this build ({fa3_ops.missing_build()})", flush=True)
         return
-    calls = many_tile_calls(randn)
-    for call in calls if index is None else calls[index:index + 1]:
-        call()
+    run_selected(many_tile_calls(randn), index)
     print("fa3 many tiles: ok", flush=True)
 
 
@@ -364,9 +368,7 @@ def upstream_many_tile_calls() -> list:
 
 def upstream_many_tile_cases(index=None):
     """upstream_many_tile_calls, all of them or the one at `index`, in a process of their own."""
-    calls = upstream_many_tile_calls()
-    for call in calls if index is None else calls[index:index + 1]:
-        call()
+    run_selected(upstream_many_tile_calls(), index)
     torch.cuda.synchronize()
     print("upstream fa3 dense, many tiles: ok", flush=True)
 
