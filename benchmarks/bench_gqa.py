@@ -9,8 +9,15 @@ hdim-128 keys by 176; bench_sparse.fa3_dense_128): CUDA-graph replay with L2 flu
 eager back-to-back calls for `auto` and dense FA-3. Every point runs its methods in two passes
 one after the other; a ratio's passes show the spread.
 
+Beside them, once per list set, the floor the memory pattern sets: a Triton kernel that only reads
+the listed blocks where they lie (listed_reader.py) over the same kernel reading the gathered copy
+the dense peer reads (the same bytes, contiguous per key). --lists also runs lists shared by every
+K/V head of a sequence (the dense peer's access pattern) and per-query-head lists (unpacked; no
+dense peer exists, so fa3 is compared with fa2 there).
+
     python benchmarks/bench_gqa.py [--batches 1,4,8] [--seqlens-q 1,4,8,16] [--groups 1,...,16]
-        [--seqlens-k 32768,131072] [--densities 0.125,0.0625] [--out DIR]
+        [--seqlens-k 32768,131072] [--densities 0.125,0.0625] [--lists per-kv-head,shared,per-query-head]
+        [--split-rules efficiency] [--out DIR]
 
 writes gqa.json (every timing) and gqa.md (the summary per group, then every point) into --out.
 """
@@ -30,6 +37,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import flash_attn_sparse as fas  # noqa: E402
 from bench_sparse import (  # noqa: E402
+    BLOCK,
     ROTATIONS,
     Shape,
     eager_pass,
@@ -47,6 +55,7 @@ REPLAYS = 40  # graph replays per method and pass, L2 flushed before each
 EAGER_CALLS = 40
 L2_FLUSH_BYTES = 256 << 20  # several times the 50 MB L2 of an H100 or H200
 PASSES = 2
+LIST_KINDS = ("per-kv-head", "shared", "per-query-head")
 
 
 @dataclass
@@ -56,14 +65,17 @@ class Point:
     group: int
     seqlen_k: int
     density: float
+    lists: str = "per-kv-head"
     auto_backend: str = ""
     graph_us: dict = field(default_factory=dict)  # method -> [us per pass]
     eager_us: dict = field(default_factory=dict)
     splits: dict = field(default_factory=dict)  # with --split-rules: rule -> split count
+    reader_us: dict = field(default_factory=dict)  # listed / gathered -> [us per pass], per list set
 
     @property
     def name(self) -> str:
-        return f"B{self.batch} Sq{self.seqlen_q} H{HEADS_K * self.group}/{HEADS_K} Sk{self.seqlen_k // 1024}k {self.density:g}"
+        kind = "" if self.lists == "per-kv-head" else f" {self.lists}"
+        return f"B{self.batch} Sq{self.seqlen_q} H{HEADS_K * self.group}/{HEADS_K} Sk{self.seqlen_k // 1024}k {self.density:g}{kind}"
 
 
 def graph_replay_us(calls, flush) -> float:
@@ -109,26 +121,56 @@ def run_sweep(args, written=lambda points: None) -> list:
     flush_buffer = torch.empty(L2_FLUSH_BYTES, dtype=torch.uint8, device="cuda")
     dense = dense_fa3()
     points = []
-    for batch in args.batches:
-        for seqlen_k in args.seqlens_k:
-            g = torch.Generator(device="cuda").manual_seed(batch * 7 + seqlen_k)
-            k = torch.randn(batch, seqlen_k, HEADS_K, HEAD_DIM, device="cuda", generator=g).bfloat16()
-            v = torch.randn_like(k)
-            for density in args.densities:
-                shape = Shape("gqa", batch, 1, seqlen_k, HEADS_K, HEADS_K, density)
-                rng = random.Random(f"{batch}-{seqlen_k}-{density}")
-                list_sets = [make_lists(shape, rng) for _ in range(ROTATIONS)]
-                blocks = [to_blocks(lists, shape) for lists in list_sets]
-                listed = [listed_kv(k, v, lists) for lists in list_sets]
-                for seqlen_q in args.seqlens_q:
+    for kind in args.lists:
+        for batch in args.batches:
+            for seqlen_k in args.seqlens_k:
+                g = torch.Generator(device="cuda").manual_seed(batch * 7 + seqlen_k)
+                k = torch.randn(batch, seqlen_k, HEADS_K, HEAD_DIM, device="cuda", generator=g).bfloat16()
+                v = torch.randn_like(k)
+                for density in args.densities:
+                    shape = Shape("gqa", batch, 1, seqlen_k, HEADS_K, HEADS_K, density)
+                    rng = random.Random(f"{batch}-{seqlen_k}-{density}")
+                    list_sets = [make_lists(shape, rng) for _ in range(ROTATIONS)]
+                    if kind == "shared":  # every K/V head of a sequence lists its head 0's blocks
+                        list_sets = [[[per_b[0]] * HEADS_K for per_b in lists] for lists in list_sets]
+                    listed, reader = None, {}  # per-query-head lists have no dense peer
+                    if kind != "per-query-head":
+                        listed = [listed_kv(k, v, lists) for lists in list_sets]
+                        reader = reader_floor(k, v, list_sets, listed, flush_buffer.zero_)
                     for group in args.groups:
-                        q = torch.randn(batch, seqlen_q, HEADS_K * group, HEAD_DIM, device="cuda", generator=g).bfloat16()
-                        point = measure_point(Point(batch, seqlen_q, group, seqlen_k, density), q, k, v, blocks, listed,
-                                              dense, flush_buffer.zero_, args.split_rules)
-                        print(summary_line(point), flush=True)
-                        points.append(point)
-                        written(points)
+                        if kind == "per-query-head":  # lists of their own for each query head
+                            heads = Shape("gqa", batch, 1, seqlen_k, HEADS_K * group, HEADS_K * group, density)
+                            blocks = [to_blocks(make_lists(heads, rng), heads) for _ in range(ROTATIONS)]
+                        else:
+                            blocks = [to_blocks(lists, shape) for lists in list_sets]
+                        for seqlen_q in args.seqlens_q:
+                            q = torch.randn(batch, seqlen_q, HEADS_K * group, HEAD_DIM, device="cuda", generator=g).bfloat16()
+                            point = Point(batch, seqlen_q, group, seqlen_k, density, kind, reader_us=reader)
+                            measure_point(point, q, k, v, blocks, listed, dense, flush_buffer.zero_, args.split_rules)
+                            print(summary_line(point), flush=True)
+                            points.append(point)
+                            written(points)
     return points
+
+
+def reader_floor(k, v, list_sets, listed, flush) -> dict:
+    """{listed, gathered: [us per pass]}: a kernel that only reads the listed blocks where they lie,
+    and the same kernel over the gathered copy the dense peer reads (same bytes), graph replay with
+    L2 flushed; the reads are checked once against torch."""
+    from listed_reader import block_ids, read_listed_blocks, read_listed_blocks_reference
+    ids = [block_ids(lists) for lists in list_sets]
+    in_order = torch.arange(ids[0].shape[-1], dtype=torch.int32, device="cuda").expand_as(ids[0]).contiguous()
+    torch.testing.assert_close(read_listed_blocks(k, v, ids[0], BLOCK).double(),
+                               read_listed_blocks_reference(k, v, ids[0], BLOCK), rtol=1e-4, atol=1e-2)
+    torch.testing.assert_close(read_listed_blocks(*listed[0], in_order, BLOCK).double(),
+                               read_listed_blocks_reference(*listed[0], in_order, BLOCK), rtol=1e-4, atol=1e-2)
+    methods = {"listed": [lambda i=i: read_listed_blocks(k, v, i, BLOCK) for i in ids],
+               "gathered": [lambda kl=kl, vl=vl: read_listed_blocks(kl, vl, in_order, BLOCK) for kl, vl in listed]}
+    times = {}
+    for _ in range(PASSES):
+        for name, calls in methods.items():
+            times.setdefault(name, []).append(graph_replay_us(calls, flush))
+    return times
 
 
 def wave_efficiency_splits(tiles: int, num_sms: int, n_blocks: int, max_splits: int = 128) -> int:
@@ -155,7 +197,7 @@ def measure_point(point: Point, q, k, v, blocks, listed, dense, flush, split_rul
     point.auto_backend = fas.choose_backend(q, k, v, blocks[0])[0]
     methods = {name: [lambda b=b, name=name: fas.flash_attn_with_sparse_block_table(q, k, v, b, backend=name)
                       for b in blocks] for name in ("auto", "fa3", "fa2")}
-    if "efficiency" in split_rules:
+    if "efficiency" in split_rules and point.lists != "per-query-head":  # the rule's tiles assume packing
         n_blocks, sms = int(blocks[0].full_cnt.max()), torch.cuda.get_device_properties(0).multi_processor_count
         splits = wave_efficiency_splits(fa3_tiles(point), sms, n_blocks)
         host_tiles = fa3_tiles(point, 128)
@@ -163,17 +205,18 @@ def measure_point(point: Point, q, k, v, blocks, listed, dense, flush, split_rul
         methods["fa3_efficiency_splits"] = [lambda b=b: fas.flash_attn_with_sparse_block_table(q, k, v, b, backend="fa3",
                                                                                               num_splits=splits)
                                             for b in blocks]
-    methods["dense_fa3_listed"] = [lambda kl=kl, vl=vl: dense(q, kl, vl) for kl, vl in listed]
-    dense_128 = fa3_dense_128(q, point.seqlen_q)
-    if isinstance(dense_128, str):
-        point.graph_us["dense_fa3_listed_128"] = dense_128
-    else:
-        methods["dense_fa3_listed_128"] = [lambda kl=kl, vl=vl: dense_128(kl, vl) for kl, vl in listed]
+    if listed is not None:  # per-query-head lists have no dense peer
+        methods["dense_fa3_listed"] = [lambda kl=kl, vl=vl: dense(q, kl, vl) for kl, vl in listed]
+        dense_128 = fa3_dense_128(q, point.seqlen_q)
+        if isinstance(dense_128, str):
+            point.graph_us["dense_fa3_listed_128"] = dense_128
+        else:
+            methods["dense_fa3_listed_128"] = [lambda kl=kl, vl=vl: dense_128(kl, vl) for kl, vl in listed]
     for _ in range(PASSES):
         for name, calls in methods.items():
             try:
                 point.graph_us.setdefault(name, []).append(graph_replay_us(calls, flush))
-                if name in ("auto", "dense_fa3_listed"):
+                if name in ("auto", "fa3", "dense_fa3_listed"):
                     point.eager_us.setdefault(name, []).append(eager_us(calls))
             except Exception as error:  # a method that cannot run a point is reported, not fatal
                 point.graph_us[name] = f"{type(error).__name__}: {str(error)[:160]}"
@@ -190,46 +233,68 @@ def ratio(point: Point, method: str, peer: str = "dense_fa3_listed", eager: bool
     return statistics.median(per_pass), per_pass
 
 
+def reader_ratio(point: Point):
+    """Median over passes of reading the listed blocks where they lie over reading the gathered copy."""
+    listed, gathered = point.reader_us.get("listed"), point.reader_us.get("gathered")
+    return statistics.median(a / b for a, b in zip(listed, gathered)) if listed and gathered else None
+
+
+# (column, method, peer, eager) of the tables; a point lacking either side shows "-"
+RATIOS = (("auto", "auto", "dense_fa3_listed", False), ("fa3", "fa3", "dense_fa3_listed", False),
+          ("fa2", "fa2", "dense_fa3_listed", False), ("eager auto", "auto", "dense_fa3_listed", True),
+          ("eager fa3", "fa3", "dense_fa3_listed", True), ("fa3 / 128-key", "fa3", "dense_fa3_listed_128", False),
+          ("fa3 at upstream's splits", "fa3_efficiency_splits", "dense_fa3_listed", False),
+          ("fa3 / fa2", "fa3", "fa2", False))
+
+
 def summary_line(point: Point) -> str:
     parts = [f"{point.name:<28} auto={point.auto_backend}"]
-    for method in ("auto", "fa3", "fa2"):
-        r = ratio(point, method)
-        parts.append(f"{method} {r[0]:.3f} ({'/'.join(f'{x:.3f}' for x in r[1])})" if r else f"{method} -")
-    r = ratio(point, "fa3", "dense_fa3_listed_128")
-    parts.append(f"fa3/dense-128 {r[0]:.3f}" if r else "fa3/dense-128 -")
-    r = ratio(point, "auto", eager=True)
-    parts.append(f"eager auto {r[0]:.3f}" if r else "eager auto -")
+    for column, method, peer, eager in RATIOS:
+        r = ratio(point, method, peer, eager)
+        parts.append(f"{column} {r[0]:.3f}" + (f" ({'/'.join(f'{x:.3f}' for x in r[1])})" if column == "fa3" else "")
+                     if r else f"{column} -")
+    reader = reader_ratio(point)
+    parts.append(f"listed/gathered read {reader:.3f}" if reader else "read -")
     dense = point.graph_us.get("dense_fa3_listed")
     parts.append(f"dense {statistics.median(dense):.1f} us" if isinstance(dense, list) else "dense -")
     return "  ".join(parts)
+
+
+def _cell(values, how) -> str:
+    return f"{how(values):.3f}" if values else "-"
 
 
 def markdown(points, gpu: str, commit: str) -> str:
     lines = [f"# GQA sweep, {gpu}, {time.strftime('%Y-%m-%d')}, commit {commit}", "",
              "Time over dense FA-3 over exactly the listed keys (PackGQA on), graph replay with L2 flushed "
              "before each replay, median of two passes (each pass's ratio in the JSON); eager: back-to-back calls. "
-             "128-key: fa3 over the same dense call in the sparse path's 128-key steps.", "",
-             "| group | points | auto worst (graph) | fa3 worst | fa2 worst | eager auto worst | fa3 / 128-key worst | worst auto point |",
-             "|---|---|---|---|---|---|---|---|"]
-    for group in sorted({p.group for p in points}):
-        of_group = [p for p in points if p.group == group]
-        worst = {}
-        for key, method, peer, eager in (("auto", "auto", "dense_fa3_listed", False), ("fa3", "fa3", "dense_fa3_listed", False),
-                                         ("fa2", "fa2", "dense_fa3_listed", False), ("eager", "auto", "dense_fa3_listed", True),
-                                         ("fa3_128", "fa3", "dense_fa3_listed_128", False)):
-            values = [(r[0], p.name) for p in of_group if (r := ratio(p, method, peer, eager=eager))]
-            worst[key] = max(values) if values else (float("nan"), "-")
-        lines.append(f"| {group} | {len(of_group)} | {worst['auto'][0]:.3f} | {worst['fa3'][0]:.3f} | {worst['fa2'][0]:.3f} | "
-                     f"{worst['eager'][0]:.3f} | {worst['fa3_128'][0]:.3f} | {worst['auto'][1]} |")
-    lines += ["", "| point | auto runs | auto | fa3 | fa2 | eager auto | fa3 / 128-key | dense FA-3 us |",
-              "|---|---|---|---|---|---|---|---|"]
+             "128-key: fa3 over the same dense call in the sparse path's 128-key steps. Read floor: a kernel that "
+             "only reads the listed blocks where they lie, over the same kernel reading the dense peer's gathered "
+             "copy (the same bytes). Per-query-head lists have no dense peer.", "",
+             "| lists | group | points | " + " | ".join(f"{c} median / worst" for c, *_ in RATIOS)
+             + " | read floor median / worst | worst auto point |",
+             "|---|---|---|" + "---|" * (len(RATIOS) + 2)]
+    for kind in [k for k in LIST_KINDS if any(p.lists == k for p in points)]:
+        for group in sorted({p.group for p in points if p.lists == kind}):
+            of_group = [p for p in points if p.lists == kind and p.group == group]
+            cells = []
+            for _, method, peer, eager in RATIOS:
+                values = [r[0] for p in of_group if (r := ratio(p, method, peer, eager))]
+                cells.append(f"{_cell(values, statistics.median)} / {_cell(values, max)}")
+            reads = [r for p in of_group if (r := reader_ratio(p))]
+            autos = [(r[0], p.name) for p in of_group if (r := ratio(p, "auto"))]
+            lines.append(f"| {kind} | {group} | {len(of_group)} | {' | '.join(cells)} | "
+                         f"{_cell(reads, statistics.median)} / {_cell(reads, max)} | {max(autos)[1] if autos else '-'} |")
+    lines += ["", "| point | auto runs | " + " | ".join(c for c, *_ in RATIOS) + " | read floor | splits | dense FA-3 us |",
+              "|---|---|" + "---|" * (len(RATIOS) + 3)]
     for p in points:
-        cells = [f"{r[0]:.3f}" if (r := ratio(p, m)) else "-" for m in ("auto", "fa3", "fa2")]
-        eager, per_128 = ratio(p, "auto", eager=True), ratio(p, "fa3", "dense_fa3_listed_128")
+        cells = [f"{r[0]:.3f}" if (r := ratio(p, m, peer, eager)) else "-" for _, m, peer, eager in RATIOS]
+        reader = reader_ratio(p)
         dense = p.graph_us.get("dense_fa3_listed")
         dense_us = f"{statistics.median(dense):.1f}" if isinstance(dense, list) else "-"
-        lines.append(f"| {p.name} | {p.auto_backend} | {' | '.join(cells)} | {f'{eager[0]:.3f}' if eager else '-'} | "
-                     f"{f'{per_128[0]:.3f}' if per_128 else '-'} | {dense_us} |")
+        splits = "/".join(f"{rule} {n}" for rule, n in p.splits.items()) or "-"
+        lines.append(f"| {p.name} | {p.auto_backend} | {' | '.join(cells)} | {f'{reader:.3f}' if reader else '-'} | "
+                     f"{splits} | {dense_us} |")
     return "\n".join(lines) + "\n"
 
 
@@ -241,10 +306,14 @@ def main():
     parser.add_argument("--groups", type=ints, default=[1, 2, 3, 4, 5, 6, 7, 8, 16])
     parser.add_argument("--seqlens-k", type=ints, default=[32768, 131072])
     parser.add_argument("--densities", type=lambda text: [float(x) for x in text.split(",")], default=[1 / 8, 1 / 16])
+    parser.add_argument("--lists", type=lambda text: text.split(","), default=["per-kv-head"],
+                        help="list kinds, in order: " + ", ".join(LIST_KINDS))
     parser.add_argument("--split-rules", type=lambda text: text.split(","), default=[],
                         help="efficiency: also time fa3 at upstream FA-3's wave-efficiency split count")
     parser.add_argument("--out", type=Path, default=Path("."))
     args = parser.parse_args()
+    if unknown := set(args.lists) - set(LIST_KINDS):
+        parser.error(f"--lists: unknown kinds {sorted(unknown)}; known: {', '.join(LIST_KINDS)}")
     gpu = torch.cuda.get_device_name()
     print(f"GPU: {gpu}  torch {torch.__version__}", flush=True)
     args.out.mkdir(parents=True, exist_ok=True)
