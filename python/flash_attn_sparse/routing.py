@@ -5,7 +5,7 @@ capture and under torch.compile, so a call validated eagerly runs the same kerne
 | GPU | call | backend |
 |---|---|---|
 | sm90 + flash_attn_3 built with FP8 | float8_e4m3fn K/V that FA-3 takes (else refused: no other backend has FP8 kernels) | fa3 |
-| sm90 + flash_attn_3 | FA-3 takes it (K/V contiguous or paged); >= 128 query rows, or packed GQA | fa3 |
+| sm90 + flash_attn_3 | FA-3 takes it (K/V contiguous or paged); >= 128 query rows, or lists per K/V head or shared (packed GQA, or no GQA) | fa3 |
 | any | every other (16-bit) call | fa2 |
 
 FA-3 takes pages of fewer than 128 keys where its build has the cp.async paged units (the full
@@ -56,14 +56,17 @@ def runs_somewhere(call: SparseCall) -> bool:
 
 
 def fa3_reason(call: SparseCall) -> Optional[str]:
-    """Why auto sends this call to fa3, or None: prefill-shaped, or decode whose GQA query heads
-    FA-3 packs (where it packs, it led fa2 at every packed row count measured), and FA-3 takes it."""
+    """Why auto sends this call to fa3, or None: prefill-shaped, or decode whose list rows each serve
+    a whole K/V head (packed GQA, or no GQA), and FA-3 takes it. Decode with per-query-head lists
+    under GQA runs unpacked and stays on fa2 (docs/routing.md has the measurements)."""
     rows = query_rows(call)
     if rows >= FA3_MIN_QUERY_ROWS:
         why = f"{rows:g} query rows per sequence"
     elif (group := BACKENDS["fa3"].traits(call).packed_group) > 1:
         why = f"{rows:g} query rows x {group} query heads of a K/V head packed in a tile"
-    else:
+    elif call.q.shape[-2] == call.k.shape[-2]:
+        why = f"{rows:g} query rows, one query head per K/V head"
+    else:  # per-query-head lists under GQA: unpacked, where fa2 leads with few (batch, head) tiles
         return None
     return None if BACKENDS["fa3"].refusal(call) else f"{why} (auto's rule)"
 

@@ -1,7 +1,8 @@
 """auto's choice (routing.choose), on the CPU: each backend's refusal is replaced by "takes it" or
 by a reason, as on an SM90 with or without each build, so the rule itself is what these tests
-check: fa3 for prefill-shaped calls and packed GQA decode that FA-3 takes, fa2 for the rest, fa4 only
-on request, and the same answer whether or not a CUDA graph is being captured."""
+check: fa3 for prefill-shaped calls and decode whose lists serve whole K/V heads that FA-3 takes,
+fa2 for the rest, fa4 only on request, and the same answer whether or not a CUDA graph is being
+captured."""
 
 import pytest
 import torch
@@ -49,12 +50,13 @@ def test_prefill_goes_to_fa3_where_it_takes_the_call_else_fa2(builds):
     assert routing.choose(call(**PREFILL, list_blocks=32))[0] == "fa2"
 
 
-def test_decode_goes_to_fa3_where_it_packs_query_heads(builds):
+def test_decode_goes_to_fa3_where_its_lists_serve_whole_kv_heads(builds):
     backend, why = routing.choose(call(**DECODE, list_blocks=16))
     assert backend == "fa3" and "16 query rows x 4 query heads of a K/V head packed" in why
     assert routing.choose(call(**dict(DECODE, seqlen_q=1), list_blocks=16))[0] == "fa3"  # 4 packed rows
     assert routing.choose(call(**dict(DECODE, list_heads=32), list_blocks=16))[0] == "fa2"  # per query head: unpacked
-    assert routing.choose(call(**dict(DECODE, heads=8), list_blocks=16))[0] == "fa2"  # no GQA: nothing to pack
+    backend, why = routing.choose(call(**dict(DECODE, heads=8), list_blocks=16))  # no GQA: one query head a K/V head
+    assert backend == "fa3" and "one query head per K/V head" in why
 
 
 @pytest.mark.parametrize("group", [3, 5, 6, 7])
@@ -74,7 +76,7 @@ def paged(plain, page_size):
 
 
 def test_paged_calls_in_pages_of_whole_blocks_and_seqused_k_calls_route_as_contiguous_ones(builds):
-    for shape, blocks, contiguous_choice in ((PREFILL, 32, "fa3"), (DECODE, 16, "fa3"), (dict(DECODE, heads=8), 16, "fa2")):
+    for shape, blocks, contiguous_choice in ((PREFILL, 32, "fa3"), (DECODE, 16, "fa3"), (dict(DECODE, list_heads=32), 16, "fa2")):
         plain = call(**shape, list_blocks=blocks)
         assert routing.choose(plain)[0] == contiguous_choice
         seqused = plain.rebind(seqused_k=torch.full((plain.batch,), 100, dtype=torch.int32))
@@ -87,7 +89,7 @@ def test_pages_smaller_than_a_block_route_as_contiguous_ones_where_the_build_has
     """FA-3 reads such pages with cp.async loads (0.22-0.53x FA-2's time on the engine-shaped call,
     docs/routing.md): auto sends them where it sends contiguous calls; a build without those kernels
     refuses them (fa3_ops.refusal), which leaves them to fa2."""
-    for shape, blocks, contiguous_choice in ((PREFILL, 32, "fa3"), (DECODE, 16, "fa3"), (dict(DECODE, heads=8), 16, "fa2")):
+    for shape, blocks, contiguous_choice in ((PREFILL, 32, "fa3"), (DECODE, 16, "fa3"), (dict(DECODE, list_heads=32), 16, "fa2")):
         small = paged(call(**shape, list_blocks=blocks), page_size)
         assert routing.choose(small)[0] == contiguous_choice, shape
     builds.fa3 = "this flash_attn_3 build has no kernels for pages of other than a multiple of 128 keys"
