@@ -5,7 +5,7 @@ capture and under torch.compile, so a call validated eagerly runs the same kerne
 | GPU | call | backend |
 |---|---|---|
 | sm90 + flash_attn_3 built with FP8 | float8_e4m3fn K/V that FA-3 takes (else refused: no other backend has FP8 kernels) | fa3 |
-| sm90 + flash_attn_3 | FA-3 takes it (K/V contiguous or paged); >= 128 query rows, or lists per K/V head or shared (packed GQA, or no GQA) | fa3 |
+| sm90 + flash_attn_3 | FA-3 takes it (contiguous or paged K/V); >= 128 query rows, or lists shared or per K/V head | fa3 |
 | any | every other (16-bit) call | fa2 |
 
 FA-3 takes pages of fewer than 128 keys where its build has the cp.async paged units (the full

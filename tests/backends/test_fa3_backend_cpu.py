@@ -26,12 +26,13 @@ def qkv():
             torch.randn(B, SK, HK, D, dtype=torch.bfloat16))
 
 
-def lists(width=3, mask_width=None):
+def lists(width=3, mask_width=None, block_size=128):
     full_cnt = torch.ones(B, HK, 1, dtype=torch.int32)
     full_idx = torch.zeros(B, HK, 1, width, dtype=torch.int32)
     if mask_width is None:
-        return SparseBlocks(full_cnt, full_idx, block_size=128)
-    return SparseBlocks(full_cnt, full_idx, full_cnt.clone(), torch.zeros(B, HK, 1, mask_width, dtype=torch.int32), block_size=128)
+        return SparseBlocks(full_cnt, full_idx, block_size=block_size)
+    return SparseBlocks(full_cnt, full_idx, full_cnt.clone(), torch.zeros(B, HK, 1, mask_width, dtype=torch.int32),
+                        block_size=block_size)
 
 
 @pytest.mark.parametrize("group, list_heads, q_block_size, seqlen_q, packs", [
@@ -60,12 +61,11 @@ def test_groups_1_2_4_8_16_pack_as_before_at_128_row_lists():
 
 def test_the_host_rules_are_refused_with_their_reason(sm90, monkeypatch):
     monkeypatch.setitem(fa3_ops._DISABLED, "answer", ())  # a build with every kernel, whatever is installed
+    monkeypatch.setitem(fa3_ops._BLOCK_SIZES, "answer", (128,))  # ... of 128-key list blocks
     q, k, _ = qkv()
     assert fa3_ops.refusal(q, k, lists(), varlen=False) is None
     assert fa3_ops.refusal(q, k, lists(mask_width=3), varlen=False) is None
-    shared = lists()
-    assert "block_size 128 only" in fa3_ops.refusal(q, k, SparseBlocks(shared.full_cnt, shared.full_idx, block_size=64),
-                                                    varlen=False)
+    assert "take block_size 128, got 64" in fa3_ops.refusal(q, k, lists(block_size=64), varlen=False)
     assert "head dims" in fa3_ops.refusal(q[..., :96], k[..., :96], lists(), varlen=False)
     assert fa3_ops.refusal(q, k, lists(), varlen=False, page_size=128) is None
     assert fa3_ops.refusal(q, k, lists(), varlen=False, page_size=64) is None  # cp.async pages, packed
@@ -79,6 +79,27 @@ def test_the_host_rules_are_refused_with_their_reason(sm90, monkeypatch):
     assert "seqused_k" in fa3_ops.refusal(q, k, lists(), varlen=True, page_size=128)
     # Batched mask lists of another width (the zero-copy speculative form's) have their own layout.
     assert fa3_ops.refusal(q, k, lists(mask_width=5), varlen=False) is None
+
+
+def test_a_build_reporting_64_key_blocks_takes_them_with_16_bit_kv_contiguous_or_in_pages_of_whole_blocks(sm90, monkeypatch):
+    """Its 64-key units are fp16 / bf16 only, with TMA loads: FP8 and pages that split a block
+    (cp.async loads) are refused by name, before any op runs."""
+    monkeypatch.setitem(fa3_ops._DISABLED, "answer", ())
+    monkeypatch.setitem(fa3_ops._BLOCK_SIZES, "answer", (64, 128))
+    q, k, _ = qkv()
+    for page_size in (None, 64, 128, 256):
+        assert fa3_ops.refusal(q, k, lists(block_size=64), varlen=False, page_size=page_size) is None, page_size
+    assert "pages of a multiple of 64" in fa3_ops.refusal(q, k, lists(block_size=64), varlen=False, page_size=32)
+    fp8 = k.to(torch.float8_e4m3fn)
+    assert "fp16 or bf16 K/V" in fa3_ops.refusal(q, fp8, lists(block_size=64), varlen=False)
+    assert "got 32" in fa3_ops.refusal(q, k, lists(block_size=32), varlen=False)
+    assert fa3_ops.refusal(q, k, lists(), varlen=False, page_size=64) is None  # 128-key blocks: cp.async pages as before
+
+
+def test_block_sizes_without_the_report_are_128_only(monkeypatch):
+    monkeypatch.setitem(fa3_ops._MISSING_BUILD, "answer", "no flash_attn_3 here")
+    monkeypatch.delitem(fa3_ops._BLOCK_SIZES, "answer", raising=False)
+    assert fa3_ops.block_sizes() == (128,)
 
 
 def test_without_sm90_the_backend_says_so():

@@ -20,16 +20,17 @@ from torch import Tensor
 from ..fp8 import FP8_DTYPE
 from ..metadata import SparseBlocks
 
-BLOCK_SIZE = 128  # kSparseBlockSize: one K/V block is one kernel tile_n
+BLOCK_SIZE = 128  # kSparseBlockSize: one K/V block is one kernel tile_n; a build may report more (block_sizes)
 TILE_M = 128  # query rows of the tile packing and splitting are decided on (tile_size_fwd_sm90_sparse)
 HEAD_DIMS = (64, 128)  # the instantiated head dims (generate_kernels_sparse.py)
-PAGE_MULTIPLE = BLOCK_SIZE  # pages of whole list blocks take TMA loads, others cp.async (packed kernels only)
+# Pages of whole list blocks take TMA loads, others cp.async loads (packed kernels, 128-key blocks only).
 
 
 # Answers fixed per process, in plain dicts: torch.compile traces through a functools.lru_cache
 # wrapper with a warning, and these are asked on traced calls (routing).
 _MISSING_BUILD: dict = {}
 _CAPABILITIES: dict = {}
+_BLOCK_SIZES: dict = {}
 _DISABLED: dict = {}
 _DESCALES: dict = {}
 
@@ -61,6 +62,17 @@ def disabled() -> Tuple[str, ...]:
         report = _extension_attribute("sparse_disabled") if missing_build() is None else None
         _DISABLED["answer"] = tuple(report()) if report is not None else ()
     return _DISABLED["answer"]
+
+
+@torch.compiler.assume_constant_result
+def block_sizes() -> Tuple[int, ...]:
+    """Keys per list block this build's sparse kernels take, as its extension reports them (128 for
+    a build without the report, or no build). Blocks other than 128 keys take fp16 or bf16 K/V,
+    contiguous or in pages of whole blocks."""
+    if "answer" not in _BLOCK_SIZES:
+        report = _extension_attribute("sparse_block_sizes") if missing_build() is None else None
+        _BLOCK_SIZES["answer"] = tuple(report()) if report is not None else (BLOCK_SIZE,)
+    return _BLOCK_SIZES["answer"]
 
 
 @torch.compiler.assume_constant_result
@@ -127,17 +139,21 @@ def refusal(q: Tensor, k: Tensor, blocks: SparseBlocks, *, varlen: bool, page_si
                                               ("VARLEN", varlen or seqused_k)) if needed and flag in disabled()]
     if compiled_out:
         return f"this flash_attn_3 build has no such kernels (FLASH_ATTENTION_DISABLE_{compiled_out[0]})"
-    cpasync_pages = page_size is not None and page_size % PAGE_MULTIPLE != 0  # read by cp.async loads, not TMA
+    if blocks.block_size not in block_sizes():
+        return f"this flash_attn_3 build's sparse kernels take block_size {' or '.join(map(str, block_sizes()))}, got {blocks.block_size}"
+    page_multiple = blocks.block_size
+    cpasync_pages = page_size is not None and page_size % page_multiple != 0  # read by cp.async loads, not TMA
+    if blocks.block_size != BLOCK_SIZE and (fp8 or cpasync_pages):
+        return (f"the FA-3 sparse kernel takes blocks of {blocks.block_size} keys with fp16 or bf16 K/V, contiguous or in "
+                f"pages of a multiple of {page_multiple} keys")
     if cpasync_pages and fp8:
-        return (f"the FA-3 sparse kernel takes FP8 K/V in pages of a multiple of {PAGE_MULTIPLE} keys only "
+        return (f"the FA-3 sparse kernel takes FP8 K/V in pages of a multiple of {page_multiple} keys only "
                 f"(TMA pages), got pages of {page_size}: pages of other sizes are not supported for FP8")
     if cpasync_pages and ("PAGEDKV" in disabled() or "PACKGQA" in disabled()):
-        return (f"this flash_attn_3 build has no kernels for pages of other than a multiple of {PAGE_MULTIPLE} keys "
+        return (f"this flash_attn_3 build has no kernels for pages of other than a multiple of {page_multiple} keys "
                 "(FLASH_ATTENTION_DISABLE_PAGEDKV or _PACKGQA)")
     if page_size is not None and varlen and not seqused_k:
         return "the FA-3 sparse kernel takes varlen paged calls with seqused_k (the sequences' key counts)"
-    if blocks.block_size != BLOCK_SIZE:
-        return f"the FA-3 sparse kernel takes block_size {BLOCK_SIZE} only, got {blocks.block_size}"
     if blocks.is_varlen != varlen:
         return "varlen inputs need varlen lists (cu_total_m_blocks, cu_block_idx_offsets) and batched ones batched lists"
     if varlen and blocks.mask_cnt is not None and any(a.shape != b.shape or a.stride() != b.stride() for a, b in
@@ -157,7 +173,7 @@ def refusal(q: Tensor, k: Tensor, blocks: SparseBlocks, *, varlen: bool, page_si
                 "or cover every query row here")
     if cpasync_pages and not _packable(num_heads // num_heads_k, blocks.num_heads, num_heads, q_block_size, seqlen_q):
         # Its kernels for pages that do not hold whole blocks load K/V with cp.async, packed only.
-        return (f"the FA-3 sparse kernel takes pages of other than a multiple of {PAGE_MULTIPLE} keys (got {page_size}) "
+        return (f"the FA-3 sparse kernel takes pages of other than a multiple of {page_multiple} keys (got {page_size}) "
                 "with shared or per-K/V-head lists only, and q_block_size * group a multiple of "
                 f"{TILE_M} or one list row for every query")
     return None
