@@ -13,11 +13,13 @@ Beside them, once per list set, the floor the memory pattern sets: a Triton kern
 the listed blocks where they lie (listed_reader.py) over the same kernel reading the gathered copy
 the dense peer reads (the same bytes, contiguous per key). --lists also runs lists shared by every
 K/V head of a sequence (the dense peer's access pattern) and per-query-head lists (unpacked; no
-dense peer exists, so fa3 is compared with fa2 there).
+dense peer exists, so fa3 is compared with fa2 there). --kv-layouts hnd also runs K/V caches stored
+head-major ((batch, heads_k, seqlen_k, head_dim) memory, passed as its (batch, seqlen_k, heads_k,
+head_dim) view), each head's block one contiguous span, with the dense peer's copy in that layout too.
 
     python benchmarks/bench_gqa.py [--batches 1,4,8] [--seqlens-q 1,4,8,16] [--groups 1,...,16]
         [--seqlens-k 32768,131072] [--densities 0.125,0.0625] [--lists per-kv-head,shared,per-query-head]
-        [--split-rules efficiency] [--out DIR]
+        [--kv-layouts nhd,hnd] [--split-rules efficiency] [--out DIR]
 
 writes gqa.json (every timing) and gqa.md (the summary per group, then every point) into --out.
 """
@@ -56,6 +58,7 @@ EAGER_CALLS = 40
 L2_FLUSH_BYTES = 256 << 20  # several times the 50 MB L2 of an H100 or H200
 PASSES = 2
 LIST_KINDS = ("per-kv-head", "shared", "per-query-head")
+KV_LAYOUTS = ("nhd", "hnd")  # K/V memory: key-major (batch, seqlen_k, heads_k, dim), or head-major
 
 
 @dataclass
@@ -66,6 +69,7 @@ class Point:
     seqlen_k: int
     density: float
     lists: str = "per-kv-head"
+    kv_layout: str = "nhd"
     auto_backend: str = ""
     graph_us: dict = field(default_factory=dict)  # method -> [us per pass]
     eager_us: dict = field(default_factory=dict)
@@ -74,8 +78,13 @@ class Point:
 
     @property
     def name(self) -> str:
-        kind = "" if self.lists == "per-kv-head" else f" {self.lists}"
+        kind = ("" if self.lists == "per-kv-head" else f" {self.lists}") + ("" if self.kv_layout == "nhd" else " HND")
         return f"B{self.batch} Sq{self.seqlen_q} H{HEADS_K * self.group}/{HEADS_K} Sk{self.seqlen_k // 1024}k {self.density:g}{kind}"
+
+    @property
+    def kind(self) -> str:
+        """The summary's row label: the list kind, and the K/V layout where it is not key-major."""
+        return self.lists + ("" if self.kv_layout == "nhd" else ", HND")
 
 
 def graph_replay_us(calls, flush) -> float:
@@ -121,12 +130,11 @@ def run_sweep(args, written=lambda points: None) -> list:
     flush_buffer = torch.empty(L2_FLUSH_BYTES, dtype=torch.uint8, device="cuda")
     dense = dense_fa3()
     points = []
-    for kind in args.lists:
+    for layout, kind in [(layout, kind) for layout in args.kv_layouts for kind in args.lists]:
         for batch in args.batches:
             for seqlen_k in args.seqlens_k:
                 g = torch.Generator(device="cuda").manual_seed(batch * 7 + seqlen_k)
-                k = torch.randn(batch, seqlen_k, HEADS_K, HEAD_DIM, device="cuda", generator=g).bfloat16()
-                v = torch.randn_like(k)
+                k, v = (kv_cache(batch, seqlen_k, layout, g) for _ in range(2))
                 for density in args.densities:
                     shape = Shape("gqa", batch, 1, seqlen_k, HEADS_K, HEADS_K, density)
                     rng = random.Random(f"{batch}-{seqlen_k}-{density}")
@@ -135,7 +143,7 @@ def run_sweep(args, written=lambda points: None) -> list:
                         list_sets = [[[per_b[0]] * HEADS_K for per_b in lists] for lists in list_sets]
                     listed, reader = None, {}  # per-query-head lists have no dense peer
                     if kind != "per-query-head":
-                        listed = [listed_kv(k, v, lists) for lists in list_sets]
+                        listed = [tuple(in_layout(t, layout) for t in listed_kv(k, v, lists)) for lists in list_sets]
                         reader = reader_floor(k, v, list_sets, listed, flush_buffer.zero_)
                     for group in args.groups:
                         if kind == "per-query-head":  # lists of their own for each query head
@@ -145,12 +153,25 @@ def run_sweep(args, written=lambda points: None) -> list:
                             blocks = [to_blocks(lists, shape) for lists in list_sets]
                         for seqlen_q in args.seqlens_q:
                             q = torch.randn(batch, seqlen_q, HEADS_K * group, HEAD_DIM, device="cuda", generator=g).bfloat16()
-                            point = Point(batch, seqlen_q, group, seqlen_k, density, kind, reader_us=reader)
+                            point = Point(batch, seqlen_q, group, seqlen_k, density, kind, layout, reader_us=reader)
                             measure_point(point, q, k, v, blocks, listed, dense, flush_buffer.zero_, args.split_rules)
                             print(summary_line(point), flush=True)
                             points.append(point)
                             written(points)
     return points
+
+
+def kv_cache(batch: int, seqlen_k: int, layout: str, generator) -> torch.Tensor:
+    """A random bf16 K or V cache as the (batch, seqlen_k, heads_k, head_dim) view the calls take,
+    its memory key-major (nhd) or head-major (hnd)."""
+    if layout == "nhd":
+        return torch.randn(batch, seqlen_k, HEADS_K, HEAD_DIM, device="cuda", generator=generator).bfloat16()
+    return torch.randn(batch, HEADS_K, seqlen_k, HEAD_DIM, device="cuda", generator=generator).bfloat16().transpose(1, 2)
+
+
+def in_layout(t: torch.Tensor, layout: str) -> torch.Tensor:
+    """t's values in the memory layout of kv_cache (the dense peer reads its copy like the cache)."""
+    return t if layout == "nhd" else t.transpose(1, 2).contiguous().transpose(1, 2)
 
 
 def reader_floor(k, v, list_sets, listed, flush) -> dict:
@@ -274,9 +295,9 @@ def markdown(points, gpu: str, commit: str) -> str:
              "| lists | group | points | " + " | ".join(f"{c} median / worst" for c, *_ in RATIOS)
              + " | read floor median / worst | worst auto point |",
              "|---|---|---|" + "---|" * (len(RATIOS) + 2)]
-    for kind in [k for k in LIST_KINDS if any(p.lists == k for p in points)]:
-        for group in sorted({p.group for p in points if p.lists == kind}):
-            of_group = [p for p in points if p.lists == kind and p.group == group]
+    for kind in dict.fromkeys(p.kind for p in points):
+        for group in sorted({p.group for p in points if p.kind == kind}):
+            of_group = [p for p in points if p.kind == kind and p.group == group]
             cells = []
             for _, method, peer, eager in RATIOS:
                 values = [r[0] for p in of_group if (r := ratio(p, method, peer, eager))]
@@ -308,12 +329,16 @@ def main():
     parser.add_argument("--densities", type=lambda text: [float(x) for x in text.split(",")], default=[1 / 8, 1 / 16])
     parser.add_argument("--lists", type=lambda text: text.split(","), default=["per-kv-head"],
                         help="list kinds, in order: " + ", ".join(LIST_KINDS))
+    parser.add_argument("--kv-layouts", type=lambda text: text.split(","), default=["nhd"],
+                        help="K/V memory layouts, in order: nhd (key-major), hnd (head-major)")
     parser.add_argument("--split-rules", type=lambda text: text.split(","), default=[],
                         help="efficiency: also time fa3 at upstream FA-3's wave-efficiency split count")
     parser.add_argument("--out", type=Path, default=Path("."))
     args = parser.parse_args()
     if unknown := set(args.lists) - set(LIST_KINDS):
         parser.error(f"--lists: unknown kinds {sorted(unknown)}; known: {', '.join(LIST_KINDS)}")
+    if unknown := set(args.kv_layouts) - set(KV_LAYOUTS):
+        parser.error(f"--kv-layouts: unknown layouts {sorted(unknown)}; known: {', '.join(KV_LAYOUTS)}")
     gpu = torch.cuda.get_device_name()
     print(f"GPU: {gpu}  torch {torch.__version__}", flush=True)
     args.out.mkdir(parents=True, exist_ok=True)
