@@ -55,6 +55,9 @@ from bench_sparse import (  # noqa: E402
 HEADS_K, HEAD_DIM = 8, 128
 REPLAYS = 40  # graph replays per method and pass, L2 flushed before each
 EAGER_CALLS = 40
+# The median of several spans of EAGER_CALLS calls: at ~30 us a call, one host stall in a single
+# span moved a pass by up to 1.8x (the same kernel timed under two names differed by 0.70-1.37x).
+EAGER_SPANS = 5
 L2_FLUSH_BYTES = 256 << 20  # several times the 50 MB L2 of an H100 or H200
 PASSES = 2
 LIST_KINDS = ("per-kv-head", "shared", "per-query-head")
@@ -110,10 +113,12 @@ def graph_replay_us(calls, flush) -> float:
 
 
 def eager_us(calls) -> float:
-    """us per call of back-to-back eager calls rotating through `calls` (bench_sparse.eager_pass)."""
+    """us per call of back-to-back eager calls rotating through `calls` (bench_sparse.eager_pass):
+    the median of EAGER_SPANS spans."""
     for call in calls:
         call()
-    return eager_pass(rotating(calls), EAGER_CALLS) * 1e3
+    run = rotating(calls)
+    return statistics.median(eager_pass(run, EAGER_CALLS) for _ in range(EAGER_SPANS)) * 1e3
 
 
 def dense_fa3():
@@ -288,7 +293,8 @@ def _cell(values, how) -> str:
 def markdown(points, gpu: str, commit: str) -> str:
     lines = [f"# GQA sweep, {gpu}, {time.strftime('%Y-%m-%d')}, commit {commit}", "",
              "Time over dense FA-3 over exactly the listed keys (PackGQA on), graph replay with L2 flushed "
-             "before each replay, median of two passes (each pass's ratio in the JSON); eager: back-to-back calls. "
+             "before each replay, median of two passes (each pass's ratio in the JSON); eager: back-to-back calls, "
+         f"the median of {EAGER_SPANS} spans of {EAGER_CALLS}. "
              "128-key: fa3 over the same dense call in the sparse path's 128-key steps. Read floor: a kernel that "
              "only reads the listed blocks where they lie, over the same kernel reading the dense peer's gathered "
              "copy (the same bytes). Per-query-head lists have no dense peer.", "",
