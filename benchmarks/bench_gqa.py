@@ -55,9 +55,7 @@ from bench_sparse import (  # noqa: E402
 HEADS_K, HEAD_DIM = 8, 128
 REPLAYS = 40  # graph replays per method and pass, L2 flushed before each
 EAGER_CALLS = 40
-# The median of several spans of EAGER_CALLS calls: at ~30 us a call, one host stall in a single
-# span moved a pass by up to 1.8x (the same kernel timed under two names differed by 0.70-1.37x).
-EAGER_SPANS = 5
+EAGER_SPANS = 5  # eager time is the median of these spans of EAGER_CALLS: one host stall sets no figure
 L2_FLUSH_BYTES = 256 << 20  # several times the 50 MB L2 of an H100 or H200
 PASSES = 2
 LIST_KINDS = ("per-kv-head", "shared", "per-query-head")

@@ -23,7 +23,6 @@ from ..metadata import SparseBlocks
 BLOCK_SIZE = 128  # kSparseBlockSize: one K/V block is one kernel tile_n; a build may report more (block_sizes)
 TILE_M = 128  # query rows of the tile packing and splitting are decided on (tile_size_fwd_sm90_sparse)
 HEAD_DIMS = (64, 128)  # the instantiated head dims (generate_kernels_sparse.py)
-# Pages of whole list blocks take TMA loads, others cp.async loads (packed kernels, 128-key blocks only).
 
 
 # Answers fixed per process, in plain dicts: torch.compile traces through a functools.lru_cache
@@ -141,16 +140,16 @@ def refusal(q: Tensor, k: Tensor, blocks: SparseBlocks, *, varlen: bool, page_si
         return f"this flash_attn_3 build has no such kernels (FLASH_ATTENTION_DISABLE_{compiled_out[0]})"
     if blocks.block_size not in block_sizes():
         return f"this flash_attn_3 build's sparse kernels take block_size {' or '.join(map(str, block_sizes()))}, got {blocks.block_size}"
-    page_multiple = blocks.block_size
-    cpasync_pages = page_size is not None and page_size % page_multiple != 0  # read by cp.async loads, not TMA
+    # Pages of whole list blocks take TMA loads; others cp.async loads (packed kernels, 128-key blocks only).
+    cpasync_pages = page_size is not None and page_size % blocks.block_size != 0
     if blocks.block_size != BLOCK_SIZE and (fp8 or cpasync_pages):
         return (f"the FA-3 sparse kernel takes blocks of {blocks.block_size} keys with fp16 or bf16 K/V, contiguous or in "
-                f"pages of a multiple of {page_multiple} keys")
+                f"pages of a multiple of {blocks.block_size} keys")
     if cpasync_pages and fp8:
-        return (f"the FA-3 sparse kernel takes FP8 K/V in pages of a multiple of {page_multiple} keys only "
+        return (f"the FA-3 sparse kernel takes FP8 K/V in pages of a multiple of {blocks.block_size} keys only "
                 f"(TMA pages), got pages of {page_size}: pages of other sizes are not supported for FP8")
     if cpasync_pages and ("PAGEDKV" in disabled() or "PACKGQA" in disabled()):
-        return (f"this flash_attn_3 build has no kernels for pages of other than a multiple of {page_multiple} keys "
+        return (f"this flash_attn_3 build has no kernels for pages of other than a multiple of {blocks.block_size} keys "
                 "(FLASH_ATTENTION_DISABLE_PAGEDKV or _PACKGQA)")
     if page_size is not None and varlen and not seqused_k:
         return "the FA-3 sparse kernel takes varlen paged calls with seqused_k (the sequences' key counts)"
@@ -173,7 +172,7 @@ def refusal(q: Tensor, k: Tensor, blocks: SparseBlocks, *, varlen: bool, page_si
                 "or cover every query row here")
     if cpasync_pages and not _packable(num_heads // num_heads_k, blocks.num_heads, num_heads, q_block_size, seqlen_q):
         # Its kernels for pages that do not hold whole blocks load K/V with cp.async, packed only.
-        return (f"the FA-3 sparse kernel takes pages of other than a multiple of {page_multiple} keys (got {page_size}) "
+        return (f"the FA-3 sparse kernel takes pages of other than a multiple of {blocks.block_size} keys (got {page_size}) "
                 "with shared or per-K/V-head lists only, and q_block_size * group a multiple of "
                 f"{TILE_M} or one list row for every query")
     return None
